@@ -1,0 +1,28 @@
+# `make test` and `make demo` set everything up themselves: a .venv with the
+# project installed in editable mode and its test/demo extras.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench install clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[test,onnx,demo,plot,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+demo: $(STAMP)
+	$(BIN)/python -m pagedkv_np demo
+
+bench: $(STAMP)
+	$(BIN)/pagedkv bench
+
+clean:
+	rm -rf $(VENV) build dist .asv *.egg-info

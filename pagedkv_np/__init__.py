@@ -1,0 +1,20 @@
+"""pagedkv_np: a paged K/V cache with prefix reuse, NumPy arrays in and out."""
+
+from .backends import available_backends, get_backend, register_backend
+from .errors import (
+    BackendUnavailable,
+    ConfigError,
+    DTypeError,
+    LayoutError,
+    OutOfPages,
+    PagedKVError,
+    PageIdError,
+    PageStateError,
+    SequenceError,
+    ShapeError,
+    StalePlanError,
+)
+from .layout import OutputLayout, StoreLayout
+from .store import KVStore
+
+__version__ = "0.1.0"

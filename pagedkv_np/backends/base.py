@@ -1,0 +1,312 @@
+"""The interface every array backend implements, with its input checks.
+
+A backend is a set of stateless operations over the K/V store arrays and
+int32 index arrays. :class:`Backend` holds the public, validating methods;
+a concrete backend implements only the private ``_write``, ``_gather`` and
+``_copy_pages``, which may assume that every index is in range and that every
+array has the documented shape and dtype. No kernel is ever reached through
+this class with an index that could address memory outside its array.
+
+Index arrays (``slot_mapping``, ``page_table``, ``seq_lens``, page lists) are
+host NumPy int32 arrays for every backend: they are checked on the host and a
+device backend uploads them itself.
+
+``check_indices=False`` skips the O(n) range checks on index arrays (shapes and
+dtypes are still checked). The cache uses it for plans it built and checked
+itself once per step; everyone else should leave it on.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+from ..errors import DTypeError, PageIdError, PageStateError, ShapeError
+from ..layout import OutputLayout, StoreLayout, check_array, describe
+
+__all__ = ["Backend", "INDEX_DTYPE"]
+
+INDEX_DTYPE = np.dtype(np.int32)
+
+
+def _check_layer(layer: Any, num_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
+        raise DTypeError(f"Invalid layer: expected an integer, got {type(layer).__name__}")
+    if not 0 <= layer < num_layers:
+        raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, got {layer}")
+    return int(layer)
+
+
+def check_slot_mapping(slot_mapping: np.ndarray, num_slots: int) -> None:
+    """Check that every slot is -1 or in ``[0, num_slots)`` and none repeats."""
+    if slot_mapping.size == 0:
+        return
+    lo, hi = int(slot_mapping.min()), int(slot_mapping.max())
+    if lo < -1 or hi >= num_slots:
+        bad = lo if lo < -1 else hi
+        raise PageIdError(
+            f"Invalid slot_mapping: slots must be -1 or in [0, {num_slots}), got {bad}"
+        )
+    valid = slot_mapping[slot_mapping >= 0]
+    if valid.size > 1 and np.unique(valid).size != valid.size:
+        raise PageIdError("Invalid slot_mapping: a slot appears more than once")
+
+
+def check_page_table(
+    page_table: np.ndarray, seq_lens: np.ndarray, num_pages: int, page_size: int
+) -> None:
+    """Check ``seq_lens`` against the table width and that every page a
+    sequence uses is in ``[0, num_pages)`` (unused entries may be -1)."""
+    num_seqs, max_pages = page_table.shape
+    if num_seqs == 0:
+        return
+    lo, hi = int(seq_lens.min()), int(seq_lens.max())
+    if lo < 0 or hi > max_pages * page_size:
+        bad = lo if lo < 0 else hi
+        raise ShapeError(
+            f"Invalid seq_lens: expected 0 <= len <= {max_pages * page_size} "
+            f"(max_pages * page_size), got {bad}"
+        )
+    if page_table.size == 0:
+        return
+    if int(page_table.min()) < -1 or int(page_table.max()) >= num_pages:
+        raise PageIdError(
+            f"Invalid page_table: page ids must be -1 or in [0, {num_pages})"
+        )
+    pages_used = (seq_lens.astype(np.int64) + page_size - 1) // page_size
+    used = np.arange(max_pages)[None, :] < pages_used[:, None]
+    if (page_table[used] < 0).any():
+        raise PageIdError(
+            "Invalid page_table: a sequence's page within its seq_lens is -1"
+        )
+
+
+def check_page_pairs(src: np.ndarray, dst: np.ndarray, num_pages: int) -> None:
+    """Check copy-on-write page pairs: in range, distinct destinations that are
+    not also sources."""
+    if src.size == 0:
+        return
+    for name, arr in (("src_pages", src), ("dst_pages", dst)):
+        if int(arr.min()) < 0 or int(arr.max()) >= num_pages:
+            raise PageIdError(f"Invalid {name}: page ids must be in [0, {num_pages})")
+    if np.unique(dst).size != dst.size:
+        raise PageStateError("Invalid dst_pages: a destination page appears twice")
+    if np.intersect1d(src, dst).size:
+        raise PageStateError("Invalid dst_pages: a page is both a source and a destination")
+
+
+class Backend:
+    """Base class of the array backends.
+
+    Subclasses set :attr:`name`, :attr:`array_types` (the accepted array
+    classes for K/V data) and implement ``_write``, ``_gather``,
+    ``_copy_pages`` and the array helpers ``zeros``/``to_numpy``/``asarray``.
+    """
+
+    name: str = "abstract"
+    array_types: tuple[type, ...] = (np.ndarray,)
+
+    # ----------------------------------------------------------- array helpers
+    def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """A zero-filled array of this backend."""
+        return np.zeros(shape, dtype=dtype)
+
+    def asarray(self, x: Any) -> Any:
+        """``x`` as an array of this backend (no copy when already one)."""
+        return np.asarray(x)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """``x`` as a host NumPy array."""
+        return np.asarray(x)
+
+    # ------------------------------------------------------------------ checks
+    def _check_store(self, k_cache: Any, v_cache: Any, layout: StoreLayout) -> tuple:
+        check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
+                    contiguous=True, writeable=True)
+        check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
+                    array_type=self.array_types, contiguous=True, writeable=True)
+        num_layers, num_pages, a, b, head_dim = k_cache.shape
+        page_size, num_kv_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
+        return num_layers, num_pages, page_size, num_kv_heads, head_dim
+
+    @staticmethod
+    def _check_index(x: Any, name: str, ndim: int) -> None:
+        check_array(x, name, ndim=ndim, dtype=INDEX_DTYPE)
+
+    # ------------------------------------------------------------- public ops
+    def write(
+        self,
+        k_cache: Any,
+        v_cache: Any,
+        layer: int,
+        slot_mapping: np.ndarray,
+        k: Any,
+        v: Any,
+        *,
+        layout: "str | StoreLayout" = StoreLayout.NHD,
+        check_indices: bool = True,
+    ) -> None:
+        """Write the K/V of ``N`` tokens into their slots of one layer.
+
+        Parameters
+        ----------
+        k_cache, v_cache : array, shape [num_layers, num_pages, page_size, num_kv_heads, head_dim] (NHD) or [.., num_kv_heads, page_size, head_dim] (HND)
+            The store, written in place.
+        layer : int
+            Layer index, ``0 <= layer < num_layers``.
+        slot_mapping : ndarray, shape [N], dtype int32
+            ``page_id * page_size + offset`` for each token; ``-1`` skips it.
+        k, v : array, shape [N, num_kv_heads, head_dim], dtype of the store
+            Any strides.
+        layout : {"NHD", "HND"}
+            Layout of the store.
+        """
+        layout = StoreLayout.parse(layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_store(
+            k_cache, v_cache, layout)
+        layer = _check_layer(layer, num_layers)
+        self._check_index(slot_mapping, "slot_mapping", 1)
+        n = slot_mapping.shape[0]
+        for name, x in (("k", k), ("v", v)):
+            check_array(x, name, shape=(n, num_kv_heads, head_dim), dtype=k_cache.dtype,
+                        array_type=self.array_types)
+        if check_indices:
+            check_slot_mapping(slot_mapping, num_pages * page_size)
+        if n:
+            self._write(k_cache, v_cache, layer, slot_mapping, k, v, layout)
+
+    def gather(
+        self,
+        k_cache: Any,
+        v_cache: Any,
+        layer: int,
+        page_table: np.ndarray,
+        seq_lens: np.ndarray,
+        *,
+        layout: "str | StoreLayout" = StoreLayout.NHD,
+        out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+        out: tuple[Any, Any] | None = None,
+        num_positions: int | None = None,
+        check_indices: bool = True,
+    ) -> tuple[Any, Any]:
+        """Gather each sequence's K/V of one layer into contiguous arrays.
+
+        Parameters
+        ----------
+        page_table : ndarray, shape [B, max_pages], dtype int32
+            Page ids of each sequence in order; entries past a sequence's
+            last page may be -1.
+        seq_lens : ndarray, shape [B], dtype int32
+            Tokens of each sequence, ``0 <= seq_lens[b] <= max_pages * page_size``.
+        out_layout : {"BTHD", "BHTD"}
+            ``[B, T, num_kv_heads, head_dim]`` or ``[B, num_kv_heads, T, head_dim]``.
+        out : pair of arrays, optional
+            C-contiguous, writeable K and V buffers in ``out_layout`` with
+            ``T >= max(seq_lens)``; allocated when omitted.
+        num_positions : int, optional
+            ``T`` of freshly allocated buffers (default ``max(seq_lens)``).
+
+        Returns
+        -------
+        k, v : arrays in ``out_layout``
+            Positions ``t >= seq_lens[b]`` are zero.
+        """
+        layout = StoreLayout.parse(layout)
+        out_layout = OutputLayout.parse(out_layout, "out_layout")
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_store(
+            k_cache, v_cache, layout)
+        layer = _check_layer(layer, num_layers)
+        self._check_index(page_table, "page_table", 2)
+        num_seqs = page_table.shape[0]
+        check_array(seq_lens, "seq_lens", shape=(num_seqs,), dtype=INDEX_DTYPE)
+        if check_indices:
+            check_page_table(page_table, seq_lens, num_pages, page_size)
+        max_len = int(seq_lens.max()) if num_seqs else 0
+        if out is None:
+            if num_positions is None:
+                num_positions = max_len
+            elif isinstance(num_positions, bool) or not isinstance(num_positions, numbers.Integral):
+                raise DTypeError("Invalid num_positions: expected an integer")
+            if num_positions < max_len:
+                raise ShapeError(
+                    f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
+                    f"got {num_positions}")
+            shape = _out_shape(out_layout, num_seqs, int(num_positions), num_kv_heads, head_dim)
+            k_out = self.zeros(shape, k_cache.dtype)
+            v_out = self.zeros(shape, k_cache.dtype)
+        else:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise DTypeError(f"Invalid out: expected a (k, v) pair, got {describe(out)}")
+            k_out, v_out = out
+            t_axis = 1 if out_layout is OutputLayout.BTHD else 2
+            check_array(k_out, "out[0]", ndim=4, array_type=self.array_types)
+            num_out = k_out.shape[t_axis]
+            shape = _out_shape(out_layout, num_seqs, num_out, num_kv_heads, head_dim)
+            for name, x in (("out[0]", k_out), ("out[1]", v_out)):
+                check_array(x, name, shape=shape, dtype=k_cache.dtype,
+                            array_type=self.array_types, contiguous=True, writeable=True)
+            if num_out < max_len:
+                raise ShapeError(
+                    f"Invalid shape of out[0]: T = {num_out} is shorter than "
+                    f"max(seq_lens) = {max_len}")
+            if _shares_memory(k_out, v_out):
+                raise ShapeError("Invalid out: out[0] and out[1] share memory")
+        if num_seqs:
+            self._gather(k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
+                         layout, out_layout)
+        return k_out, v_out
+
+    def copy_pages(
+        self,
+        k_cache: Any,
+        v_cache: Any,
+        src_pages: np.ndarray,
+        dst_pages: np.ndarray,
+        *,
+        layout: "str | StoreLayout" = StoreLayout.NHD,
+        check_indices: bool = True,
+    ) -> None:
+        """Copy whole pages, every layer, K and V: ``dst_pages[i] <- src_pages[i]``.
+
+        Parameters
+        ----------
+        src_pages, dst_pages : ndarray, shape [n], dtype int32
+            Distinct destinations, none of which is also a source.
+        """
+        layout = StoreLayout.parse(layout)
+        _, num_pages, _, _, _ = self._check_store(k_cache, v_cache, layout)
+        self._check_index(src_pages, "src_pages", 1)
+        check_array(dst_pages, "dst_pages", shape=src_pages.shape, dtype=INDEX_DTYPE)
+        if check_indices:
+            check_page_pairs(src_pages, dst_pages, num_pages)
+        if src_pages.size:
+            self._copy_pages(k_cache, v_cache, src_pages, dst_pages, layout)
+
+    # ------------------------------------------------ implemented by backends
+    def _write(self, k_cache, v_cache, layer, slot_mapping, k, v, layout):  # pragma: no cover
+        raise NotImplementedError
+
+    def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
+                layout, out_layout):  # pragma: no cover
+        raise NotImplementedError
+
+    def _copy_pages(self, k_cache, v_cache, src_pages, dst_pages, layout):  # pragma: no cover
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<pagedkv_np backend {self.name!r}>"
+
+
+def _out_shape(out_layout: OutputLayout, num_seqs: int, num_positions: int,
+               num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
+    if out_layout is OutputLayout.BTHD:
+        return (num_seqs, num_positions, num_kv_heads, head_dim)
+    return (num_seqs, num_kv_heads, num_positions, head_dim)
+
+
+def _shares_memory(a: Any, b: Any) -> bool:
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        return np.shares_memory(a, b)
+    return False

@@ -1,0 +1,92 @@
+"""The preallocated K/V store.
+
+Two arrays, K and V, each of shape
+``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+``[num_layers, num_pages, num_kv_heads, page_size, head_dim]`` (HND), allocated
+once, zero-filled, and never reallocated: page ids stay valid for the life of
+the store. The store owns the arrays; moving data in and out is the backend's
+job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+from .layout import StoreLayout, check_positive_int, resolve_dtype, store_shape
+
+__all__ = ["KVStore"]
+
+
+class KVStore:
+    """K and V arrays for every layer and page.
+
+    Parameters
+    ----------
+    num_layers, page_size, num_kv_heads, head_dim : int
+        Sizes, each >= 1.
+    num_pages : int, optional
+        Pages per layer. Give this or ``memory_bytes``.
+    memory_bytes : int, optional
+        Budget for K and V together; ``num_pages`` is the largest count that
+        fits (at least 1, else :class:`ConfigError`).
+    dtype : {"float32", "float16", "bfloat16"}
+    layout : {"NHD", "HND"}
+    backend : Backend
+        Allocates the arrays (host or device memory).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        num_pages: int | None = None,
+        memory_bytes: int | None = None,
+        dtype: Any = "float32",
+        layout: "str | StoreLayout" = "NHD",
+        backend: Any,
+    ) -> None:
+        self.num_layers = check_positive_int(num_layers, "num_layers")
+        self.page_size = check_positive_int(page_size, "page_size")
+        self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
+        self.head_dim = check_positive_int(head_dim, "head_dim")
+        self.dtype = resolve_dtype(dtype)
+        self.layout = StoreLayout.parse(layout)
+        if (num_pages is None) == (memory_bytes is None):
+            raise ConfigError("give exactly one of num_pages and memory_bytes")
+        if num_pages is None:
+            budget = check_positive_int(memory_bytes, "memory_bytes")
+            num_pages = budget // self.bytes_per_page(
+                self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)
+            if num_pages < 1:
+                raise ConfigError(
+                    f"Invalid memory_bytes: {budget} bytes hold no page; one page of K and V "
+                    f"over all layers needs {self.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)}")
+        self.num_pages = check_positive_int(num_pages, "num_pages")
+        if self.num_pages > np.iinfo(np.int32).max // self.page_size:
+            raise ConfigError(
+                "Invalid num_pages: num_pages * page_size must fit in int32 slot ids")
+        self.shape = store_shape(self.layout, self.num_layers, self.num_pages,
+                                 self.page_size, self.num_kv_heads, self.head_dim)
+        self.k = backend.zeros(self.shape, self.dtype)
+        self.v = backend.zeros(self.shape, self.dtype)
+
+    @staticmethod
+    def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: Any) -> int:
+        """Bytes of K plus V for one page id across all layers."""
+        return 2 * num_layers * page_size * num_kv_heads * head_dim * resolve_dtype(dtype).itemsize
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by K and V together."""
+        return int(self.k.nbytes + self.v.nbytes)
+
+    def __repr__(self) -> str:
+        return (f"KVStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.value}, "
+                f"nbytes={self.nbytes})")
