@@ -18,3 +18,5 @@ from .layout import OutputLayout, StoreLayout
 from .store import KVStore
 
 __version__ = "0.1.0"
+from .cache import CacheStats, PagedKVCache, Sequence
+from .plan import Plan

@@ -1,0 +1,499 @@
+"""PagedKVCache: sequences over the page pool, the prefix index and the store.
+
+This is the one module that composes the others. A generation loop uses it
+like this (one step of a batch)::
+
+    seq = cache.add_sequence(prompt)          # takes the cached prefix's pages
+    cache.extend(seq, prompt[seq.num_cached_tokens:])   # reserve new slots
+    plan = cache.plan([seq])                  # index arrays, once per step
+    for layer in range(num_layers):
+        cache.write(layer, plan, k_new, v_new)
+        k, v = cache.gather(layer, plan)      # contiguous [B, H, T, D]
+    cache.release(seq)                        # full pages stay for reuse
+
+Full pages enter the prefix index once their K/V is written: the tokens a
+plan covers are taken as written when the cache is next called (any
+``add_sequence``, ``extend``, ``plan``, ``fork`` or ``release``). Write every
+layer of a plan before calling the cache again.
+
+Every public method holds one re-entrant lock, so a cache can be shared by
+threads; each call is atomic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable, Sequence as SequenceT
+
+import numpy as np
+
+from .backends import Backend, get_backend
+from .errors import ConfigError, DTypeError, OutOfPages, SequenceError, StalePlanError
+from .layout import OutputLayout, StoreLayout
+from .plan import Plan, build_plan
+from .pool import PagePool
+from .prefix import PrefixIndex, encode_salt
+from .store import KVStore
+from .tokens import as_tokens
+
+__all__ = ["PagedKVCache", "Sequence", "CacheStats"]
+
+_owner_ids = itertools.count(1)
+
+
+class Sequence:
+    """One request's tokens and the pages that hold their K/V.
+
+    Created by :meth:`PagedKVCache.add_sequence` or :meth:`PagedKVCache.fork`;
+    read-only for callers. Token positions split into three ranges::
+
+        0 ...... num_computed_tokens ...... num_tokens
+        | planned (written or being written) | reserved, not yet planned |
+
+    ``num_cached_tokens`` is how many leading tokens came from the prefix
+    index when the sequence was added.
+    """
+
+    __slots__ = ("seq_id", "salt", "_owner", "_tokens", "_page_ids", "_num_tokens",
+                 "_num_computed", "_num_cached", "_digests", "_num_indexed",
+                 "_chain_broken", "_released")
+
+    def __init__(self, seq_id: int, owner: int, salt: Any) -> None:
+        self.seq_id = seq_id
+        self.salt = salt
+        self._owner = owner
+        self._tokens = bytearray()          # int64 little-endian token ids
+        self._page_ids: list[int] = []
+        self._num_tokens = 0
+        self._num_computed = 0
+        self._num_cached = 0
+        self._digests: list[bytes] = []     # chained hashes of full pages
+        self._num_indexed = 0               # leading pages offered to the index
+        self._chain_broken = False
+        self._released = False
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens with a reserved slot."""
+        return self._num_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Tokens covered by a plan (their K/V is written or being written)."""
+        return self._num_computed
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Leading prompt tokens served by the prefix index."""
+        return self._num_cached
+
+    @property
+    def page_ids(self) -> tuple[int, ...]:
+        return tuple(self._page_ids)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """int64 [num_tokens]: a copy of the token ids."""
+        return np.frombuffer(bytes(self._tokens), dtype="<i8").astype(np.int64)
+
+    @property
+    def is_released(self) -> bool:
+        return self._released
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"pages={len(self._page_ids)}"
+        return (f"Sequence(id={self.seq_id}, tokens={self._num_tokens}, "
+                f"cached={self._num_cached}, {state})")
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """A snapshot of the cache's counters."""
+
+    num_pages: int
+    pages_used: int
+    pages_free: int
+    pages_evictable: int
+    num_sequences: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query)."""
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        return d
+
+    def __getitem__(self, key: str):
+        return self.as_dict()[key]
+
+
+class PagedKVCache:
+    """A paged K/V cache with prefix reuse.
+
+    Parameters
+    ----------
+    num_layers, num_pages, page_size, num_kv_heads, head_dim : int
+        Sizes. ``num_pages`` may be ``None`` when ``memory_bytes`` is given.
+    dtype : {"float32", "float16", "bfloat16"}
+    layout : {"NHD", "HND"}
+        Store layout (see :mod:`pagedkv_np.layout`).
+    backend : str or Backend
+        ``"auto"`` (Numba when available, else NumPy), ``"numpy"``,
+        ``"numba"`` or ``"cupy"``.
+    memory_bytes : int, optional
+        Size the store from a budget for K and V together.
+    hash_secret : bytes, optional
+        Key of the prefix hashes; random when omitted.
+    enable_prefix_caching : bool
+        When False, nothing is looked up or indexed.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int | None,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: Any = "float32",
+        layout: "str | StoreLayout" = "NHD",
+        backend: "str | Backend | None" = "auto",
+        memory_bytes: int | None = None,
+        hash_secret: bytes | None = None,
+        enable_prefix_caching: bool = True,
+        _hash_fn=None,
+    ) -> None:
+        self.backend = get_backend(backend)
+        self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
+                             num_pages=num_pages, memory_bytes=memory_bytes,
+                             dtype=dtype, layout=layout, backend=self.backend)
+        self.pool = PagePool(self.store.num_pages)
+        self.index = PrefixIndex(self.store.page_size, hash_secret, _hash_fn)
+        self.pool.on_evict = self.index.remove
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self._lock = threading.RLock()
+        self._owner = next(_owner_ids)
+        self._epoch = 0
+        self._seq_ids = itertools.count()
+        self._live: dict[int, Sequence] = {}
+        self._pending: dict[int, Sequence] = {}
+
+    # ------------------------------------------------------------ properties
+    num_layers = property(lambda self: self.store.num_layers)
+    num_pages = property(lambda self: self.store.num_pages)
+    page_size = property(lambda self: self.store.page_size)
+    num_kv_heads = property(lambda self: self.store.num_kv_heads)
+    head_dim = property(lambda self: self.store.head_dim)
+    dtype = property(lambda self: self.store.dtype)
+    layout = property(lambda self: self.store.layout)
+    nbytes = property(lambda self: self.store.nbytes)
+    k_cache = property(lambda self: self.store.k, doc="The K store array.")
+    v_cache = property(lambda self: self.store.v, doc="The V store array.")
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return self.pool.num_evictable
+
+    @property
+    def stats(self) -> CacheStats:
+        with self._lock:
+            return CacheStats(
+                num_pages=self.pool.num_pages,
+                pages_used=self.pool.num_used,
+                pages_free=self.pool.num_free,
+                pages_evictable=self.pool.num_evictable,
+                num_sequences=len(self._live),
+                prefix_hit_tokens=self.index.hit_tokens,
+                prefix_query_tokens=self.index.query_tokens,
+            )
+
+    # ------------------------------------------------------------- sequences
+    def add_sequence(self, prompt: Any, salt: "str | bytes | int | None" = None) -> Sequence:
+        """Start a sequence for ``prompt``, holding the pages of its cached prefix.
+
+        At most ``len(prompt) - 1`` tokens are served from the cache, whole
+        pages only, so the last prompt token is always computed and yields
+        logits. The caller then extends the sequence with
+        ``prompt[seq.num_cached_tokens:]``.
+
+        Parameters
+        ----------
+        prompt : sequence of int, length >= 1
+        salt : str, bytes or int, optional
+            Sequences share pages only with sequences of the same salt (for
+            example one per tenant).
+        """
+        tokens = as_tokens(prompt, "prompt", allow_empty=False)
+        encode_salt(salt)  # type check before any change
+        with self._lock:
+            self._commit_pending()
+            seq = Sequence(next(self._seq_ids), self._owner, salt)
+            if self.enable_prefix_caching:
+                max_pages = (len(tokens) - 1) // self.page_size
+                pages, digests = self.index.lookup(tokens.tobytes(), len(tokens), max_pages, salt)
+                self.pool.inc_ref(pages)
+                num_cached = len(pages) * self.page_size
+                seq._page_ids = list(pages)
+                seq._digests = list(digests)
+                seq._num_indexed = len(pages)
+                seq._tokens += tokens[:num_cached].tobytes()
+                seq._num_tokens = seq._num_computed = seq._num_cached = num_cached
+            self._live[seq.seq_id] = seq
+            return seq
+
+    def num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Pages that ``extend(seq, <num_new_tokens tokens>)`` would allocate."""
+        with self._lock:
+            self._check_seq(seq)
+            return self._pages_needed(seq, int(num_new_tokens))
+
+    def can_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether ``extend`` of that many tokens would succeed now."""
+        with self._lock:
+            return self.num_pages_needed(seq, num_new_tokens) <= self.pool.num_available
+
+    def extend(self, seq: Sequence, tokens: Any) -> None:
+        """Reserve slots for ``tokens`` after the sequence's current tokens.
+
+        All or nothing: on :class:`OutOfPages` nothing changes. If the
+        sequence's partly filled last page is shared (after :meth:`fork`),
+        it is copied first so neither side sees the other's new tokens.
+        """
+        new = as_tokens(tokens, "tokens")
+        with self._lock:
+            self._check_seq(seq)
+            self._commit_pending()
+            n = len(new)
+            if n == 0:
+                return
+            needed = self._pages_needed(seq, n)
+            if needed > self.pool.num_available:
+                raise OutOfPages(needed, self.pool.num_available, f"extend by {n} token(s)")
+            pages = self.pool.allocate(needed)
+            if self._last_page_shared(seq):
+                src, dst = seq._page_ids[-1], pages.pop()
+                self.backend.copy_pages(self.store.k, self.store.v,
+                                        np.array([src], np.int32), np.array([dst], np.int32),
+                                        layout=self.layout, check_indices=False)
+                seq._page_ids[-1] = dst
+                self.pool.free([src])
+            seq._page_ids.extend(pages)
+            seq._tokens += new.tobytes()
+            seq._num_tokens += n
+            self._epoch += 1
+
+    def fork(self, seq: Sequence) -> Sequence:
+        """A new sequence with the same tokens, sharing every page by reference.
+
+        Full pages stay shared; the partly filled last page is copied by
+        whichever side extends first. The sequence must have no reserved,
+        unplanned tokens.
+        """
+        with self._lock:
+            self._check_seq(seq)
+            if seq._num_computed != seq._num_tokens:
+                raise SequenceError(
+                    "Invalid seq: it has reserved tokens not yet planned; plan them before fork")
+            self._commit_pending()
+            child = Sequence(next(self._seq_ids), self._owner, seq.salt)
+            self.pool.inc_ref(seq._page_ids)
+            child._tokens = bytearray(seq._tokens)
+            child._page_ids = list(seq._page_ids)
+            child._num_tokens = child._num_computed = seq._num_tokens
+            child._num_cached = seq._num_cached
+            child._digests = list(seq._digests)
+            child._num_indexed = seq._num_indexed
+            child._chain_broken = seq._chain_broken
+            self._live[child.seq_id] = child
+            return child
+
+    def release(self, seq: Sequence, cache_prefix: bool = True) -> None:
+        """Drop the sequence and its page references.
+
+        Its full, planned pages stay in the prefix index (evictable once no
+        sequence holds them); pages are freed tail first, so a prefix's tail
+        is evicted before its head. With ``cache_prefix=False`` nothing more
+        of this sequence is indexed (use it when its last plan was never
+        written). A released sequence cannot be used again.
+        """
+        with self._lock:
+            self._check_seq(seq)
+            if not cache_prefix:
+                self._pending.pop(seq.seq_id, None)
+            self._commit_pending()
+            self.pool.free(reversed(seq._page_ids))
+            seq._released = True
+            seq._page_ids = []
+            del self._live[seq.seq_id]
+            self._epoch += 1
+
+    # ------------------------------------------------------------------ steps
+    def plan(self, seqs: SequenceT[Sequence]) -> Plan:
+        """Index arrays for one step over ``seqs`` (see :mod:`pagedkv_np.plan`).
+
+        The tokens reserved since each sequence's last plan become this
+        step's new tokens, in the order of ``seqs``. Build the plan once and
+        pass it to :meth:`write` and :meth:`gather` for every layer; it is
+        stale once the cache reserves or releases pages.
+        """
+        if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
+            raise DTypeError("Invalid seqs: expected a list of sequences")
+        with self._lock:
+            seen = set()
+            for seq in seqs:
+                self._check_seq(seq, "seqs")
+                if seq.seq_id in seen:
+                    raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
+                seen.add(seq.seq_id)
+            self._commit_pending()
+            plan = build_plan([s._page_ids for s in seqs], [s._num_tokens for s in seqs],
+                              [s._num_computed for s in seqs], self.page_size,
+                              [s.seq_id for s in seqs], self._owner, self._epoch)
+            for seq in seqs:
+                if seq._num_computed != seq._num_tokens:
+                    seq._num_computed = seq._num_tokens
+                    self._pending[seq.seq_id] = seq
+            return plan
+
+    def write(self, layer: int, plan: Plan, k: Any, v: Any) -> None:
+        """Write one layer's K/V of the plan's new tokens.
+
+        Parameters
+        ----------
+        layer : int
+        plan : Plan
+            From :meth:`plan` of this cache, still current.
+        k, v : array, shape [plan.num_new_tokens, num_kv_heads, head_dim], dtype of the cache
+            New tokens of the plan's sequences, concatenated in plan order.
+        """
+        with self._lock:
+            self._check_plan(plan)
+            self.backend.write(self.store.k, self.store.v, layer, plan.slot_mapping, k, v,
+                               layout=self.store.layout, check_indices=False)
+
+    def gather(self, layer: int, plan: Plan, layout: "str | OutputLayout" = "BHTD",
+               out: tuple[Any, Any] | None = None,
+               num_positions: int | None = None) -> tuple[Any, Any]:
+        """Gather one layer's K/V of the plan's sequences into contiguous arrays.
+
+        Parameters
+        ----------
+        layout : {"BHTD", "BTHD"}
+            ``[B, num_kv_heads, T, head_dim]`` (ONNX ``past_key_values``,
+            the default) or ``[B, T, num_kv_heads, head_dim]``.
+        out : (k, v), optional
+            C-contiguous buffers to fill, ``T >= max(plan.seq_lens)``.
+        num_positions : int, optional
+            ``T`` of newly allocated buffers (default ``max(plan.seq_lens)``).
+
+        Returns
+        -------
+        k, v : arrays
+            Positions past each sequence's length are zero.
+        """
+        with self._lock:
+            self._check_plan(plan)
+            return self.backend.gather(self.store.k, self.store.v, layer, plan.page_table,
+                                       plan.seq_lens, layout=self.store.layout,
+                                       out_layout=layout, out=out,
+                                       num_positions=num_positions, check_indices=False)
+
+    # ------------------------------------------------------------ internals
+    def _check_seq(self, seq: Any, name: str = "seq") -> None:
+        if not isinstance(seq, Sequence):
+            raise DTypeError(f"Invalid {name}: expected a Sequence, got {type(seq).__name__}")
+        if seq._owner != self._owner:
+            raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} belongs to another cache")
+        if seq._released:
+            raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
+
+    def _check_plan(self, plan: Any) -> None:
+        if not isinstance(plan, Plan):
+            raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
+        if plan._owner != self._owner:
+            raise StalePlanError("Invalid plan: it was built by another cache")
+        if plan._epoch != self._epoch:
+            raise StalePlanError(
+                "Invalid plan: pages were reserved or released since it was built; "
+                "build a new plan")
+
+    def _last_page_shared(self, seq: Sequence) -> bool:
+        return (seq._num_tokens % self.page_size != 0
+                and self.pool.ref_count(seq._page_ids[-1]) > 1)
+
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        if n <= 0:
+            return 0
+        total = -(-(seq._num_tokens + n) // self.page_size)
+        return total - len(seq._page_ids) + int(self._last_page_shared(seq))
+
+    def _commit_pending(self) -> None:
+        """Index the full pages of every plan handed out so far."""
+        if not self._pending:
+            return
+        if self.enable_prefix_caching:
+            for seq in self._pending.values():
+                if not seq._released:
+                    self._index_full_pages(seq)
+        self._pending.clear()
+
+    def _index_full_pages(self, seq: Sequence) -> None:
+        page_size, index = self.page_size, self.index
+        step = 8 * page_size
+        for i in range(seq._num_indexed, seq._num_computed // page_size):
+            if seq._chain_broken:
+                return
+            chunk = bytes(seq._tokens[i * step:(i + 1) * step])
+            if i == 0:
+                parent_digest, parent = index.root(seq.salt)
+            else:
+                parent_digest = seq._digests[i - 1]
+                parent_page = index.canonical(parent_digest)
+                if parent_page is None:  # parent evicted: children are unreachable
+                    seq._chain_broken = True
+                    return
+                parent = index.identity(parent_page)
+            digest = index.page_digest(parent_digest, chunk)
+            seq._digests.append(digest)
+            page_id = seq._page_ids[i]
+            if index.register(page_id, digest, chunk, parent):
+                self.pool.mark_cached(page_id)
+            seq._num_indexed = i + 1
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if pool, index and sequences disagree (O(n))."""
+        with self._lock:
+            self.pool.check_invariants()
+            self.index.check_invariants()
+            refs = [0] * self.num_pages
+            for seq in self._live.values():
+                assert not seq._released
+                assert len(seq._page_ids) == -(-seq._num_tokens // self.page_size)
+                assert len(seq._tokens) == 8 * seq._num_tokens
+                assert seq._num_cached <= seq._num_computed <= seq._num_tokens
+                for page_id in seq._page_ids:
+                    refs[page_id] += 1
+            for page_id in range(self.num_pages):
+                assert refs[page_id] <= self.pool.ref_count(page_id), (
+                    f"page {page_id}: sequences hold {refs[page_id]} refs, "
+                    f"pool counts {self.pool.ref_count(page_id)}")
+                if page_id in self.index:
+                    assert self.pool.is_cached(page_id), f"page {page_id} indexed but not cached"
+
+    def __repr__(self) -> str:
+        return (f"PagedKVCache(layers={self.num_layers}, pages={self.num_pages}, "
+                f"page_size={self.page_size}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, layout={self.layout.value}, "
+                f"backend={self.backend.name!r})")

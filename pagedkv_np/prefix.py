@@ -1,0 +1,205 @@
+"""The prefix index: which page already holds the K/V of a given prefix.
+
+Pages are identified by chained, keyed hashes over full pages only::
+
+    tokens:  | page 0      | page 1      | page 2      | tail (partial, never indexed)
+    hash:      h0 = H(root, t0)  h1 = H(h0, t1)  h2 = H(h1, t2)
+    root = H("root", salt)
+
+``H`` is BLAKE2b keyed with a per-index secret (random unless given, so that
+separate processes can agree on it), so prompts cannot be crafted to collide
+without the secret. Chaining makes a page's hash depend on everything before
+it: equal tokens after different prefixes, or at different positions, hash
+differently. A ``salt`` enters the root, so requests with different salts
+never share a page.
+
+A hash is never trusted on its own. Each indexed page stores its tokens and
+the identity of its parent page ``(page_id, generation)``; a lookup accepts a
+page only if its tokens equal the prompt's and its parent is the page accepted
+one step earlier (or the same salt, for the first page). The generation of a
+page id changes whenever the page leaves the index, so a child whose parent
+was evicted and reused can never be served. Even a hash that maps every page
+to the same value returns only exact matches; the cache then merely shares
+less.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from .errors import ConfigError, DTypeError
+from .layout import check_positive_int
+
+__all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
+
+HashFn = Callable[[bytes, bytes, bytes], bytes]
+
+
+def blake2b_page_hash(secret: bytes, parent: bytes, tokens: bytes) -> bytes:
+    """Keyed BLAKE2b of a parent hash and a page's int64 token bytes (16 bytes)."""
+    h = hashlib.blake2b(key=secret, digest_size=16)
+    h.update(parent)
+    h.update(tokens)
+    return h.digest()
+
+
+def encode_salt(salt: "str | bytes | int | None") -> bytes:
+    """The bytes a salt contributes to the root hash (``None`` -> empty)."""
+    if salt is None:
+        return b""
+    if isinstance(salt, bytes):
+        return b"b" + salt
+    if isinstance(salt, str):
+        return b"s" + salt.encode("utf-8")
+    if isinstance(salt, int) and not isinstance(salt, bool):
+        return b"i" + str(salt).encode("ascii")
+    raise DTypeError(f"Invalid salt: expected str, bytes, int or None, got {type(salt).__name__}")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    digest: bytes
+    tokens: bytes        # int64 little-endian token ids of the page
+    parent: tuple        # ("root", salt bytes) or ("page", page_id, generation)
+
+
+class PrefixIndex:
+    """Maps chained page hashes to the pages that hold them.
+
+    Invariant: ``page_id in entries`` iff ``by_hash[entries[page_id].digest]
+    == page_id``; at most one page is indexed per hash.
+
+    Parameters
+    ----------
+    page_size : int
+        Tokens per page.
+    secret : bytes, optional
+        Key of the hash (up to 64 bytes); random when omitted. Give the same
+        secret to processes that must agree on hashes.
+    hash_fn : callable, optional
+        ``hash_fn(secret, parent, tokens) -> bytes``; default
+        :func:`blake2b_page_hash`. Lookups stay exact whatever it returns.
+    """
+
+    def __init__(self, page_size: int, secret: bytes | None = None,
+                 hash_fn: HashFn | None = None) -> None:
+        self.page_size = check_positive_int(page_size, "page_size")
+        if secret is None:
+            secret = os.urandom(32)
+        if not isinstance(secret, (bytes, bytearray)) or not 1 <= len(secret) <= 64:
+            raise ConfigError("Invalid secret: expected 1 to 64 bytes")
+        self.secret = bytes(secret)
+        self._hash = hash_fn or blake2b_page_hash
+        self._by_hash: dict[bytes, int] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._generation: dict[int, int] = {}
+        self.hit_tokens = 0
+        self.query_tokens = 0
+        self.num_rejected = 0
+        """Candidates whose hash matched but whose tokens or parent did not."""
+
+    # --------------------------------------------------------------- hashing
+    def root(self, salt: "str | bytes | int | None" = None) -> tuple[bytes, tuple]:
+        """Root hash and parent identity for a salt."""
+        salt_bytes = encode_salt(salt)
+        return self._hash(self.secret, b"root", salt_bytes), ("root", salt_bytes)
+
+    def page_digest(self, parent_digest: bytes, tokens: bytes) -> bytes:
+        return self._hash(self.secret, parent_digest, tokens)
+
+    def identity(self, page_id: int) -> tuple:
+        """The parent identity a child of ``page_id`` records."""
+        return ("page", page_id, self._generation.get(page_id, 0))
+
+    # ---------------------------------------------------------------- lookup
+    def lookup(self, token_bytes: bytes, num_tokens: int, max_pages: int,
+               salt: "str | bytes | int | None" = None,
+               count: bool = True) -> tuple[list[int], list[bytes]]:
+        """Longest run of indexed pages that holds this prompt's prefix.
+
+        Parameters
+        ----------
+        token_bytes : bytes
+            The prompt as little-endian int64 token ids.
+        num_tokens : int
+            Prompt length (counted as queried tokens).
+        max_pages : int
+            Look at most this many pages (callers pass
+            ``(num_tokens - 1) // page_size`` so the last token is recomputed).
+
+        Returns
+        -------
+        page_ids, digests : lists
+            The pages hit, in order, and their hashes.
+        """
+        digest, parent = self.root(salt)
+        step = 8 * self.page_size
+        pages: list[int] = []
+        digests: list[bytes] = []
+        for i in range(max_pages):
+            chunk = token_bytes[i * step:(i + 1) * step]
+            digest = self._hash(self.secret, digest, chunk)
+            page_id = self._by_hash.get(digest)
+            if page_id is None:
+                break
+            entry = self._entries[page_id]
+            if entry.tokens != chunk or entry.parent != parent:
+                self.num_rejected += 1
+                break
+            pages.append(page_id)
+            digests.append(digest)
+            parent = self.identity(page_id)
+        if count:
+            self.query_tokens += num_tokens
+            self.hit_tokens += len(pages) * self.page_size
+        return pages, digests
+
+    # ---------------------------------------------------------- registration
+    def register(self, page_id: int, digest: bytes, tokens: bytes, parent: tuple) -> bool:
+        """Index ``page_id`` under ``digest``; return whether it was indexed.
+
+        Nothing changes (and False is returned) when another page already
+        holds this hash: the first copy of a prefix stays canonical.
+        """
+        if len(tokens) != 8 * self.page_size:
+            raise ConfigError("Invalid tokens: only full pages can be indexed")
+        current = self._by_hash.get(digest)
+        if current is not None:
+            return current == page_id
+        old = self._entries.get(page_id)
+        if old is not None:  # a page moves to a new prefix: drop the old one
+            self.remove(page_id)
+        self._by_hash[digest] = page_id
+        self._entries[page_id] = _Entry(digest, tokens, parent)
+        return True
+
+    def canonical(self, digest: bytes) -> int | None:
+        """The page indexed under ``digest``, if any."""
+        return self._by_hash.get(digest)
+
+    def remove(self, page_id: int) -> None:
+        """Forget ``page_id`` (it was evicted or is being reused)."""
+        entry = self._entries.pop(page_id, None)
+        if entry is None:
+            return
+        del self._by_hash[entry.digest]
+        self._generation[page_id] = self._generation.get(page_id, 0) + 1
+
+    def __contains__(self, page_id: int) -> bool:
+        return page_id in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def entry_tokens(self, page_id: int) -> bytes | None:
+        entry = self._entries.get(page_id)
+        return None if entry is None else entry.tokens
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the two maps disagree."""
+        assert len(self._by_hash) == len(self._entries)
+        for page_id, entry in self._entries.items():
+            assert self._by_hash.get(entry.digest) == page_id

@@ -1,0 +1,59 @@
+"""Conversion and checking of token id sequences."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .errors import DTypeError, ShapeError
+
+__all__ = ["as_tokens"]
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def as_tokens(tokens: Any, name: str = "tokens", allow_empty: bool = True) -> np.ndarray:
+    """``tokens`` as a 1-D int64 array of non-negative ids.
+
+    Accepts a list, tuple or integer ndarray. Raises :class:`DTypeError` for
+    non-integer ids (floats, bools, strings) and :class:`ShapeError` for
+    nested or empty (unless ``allow_empty``) input.
+    """
+    if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
+        raise DTypeError(f"Invalid {name}: expected a sequence of integer token ids, "
+                         f"got {type(tokens).__name__}")
+    if isinstance(tokens, np.ndarray):
+        arr = tokens
+    else:
+        try:
+            seq = list(tokens)
+        except TypeError:
+            raise DTypeError(f"Invalid {name}: expected a sequence of integer token ids, "
+                             f"got {type(tokens).__name__}") from None
+        if not seq:
+            arr = np.empty(0, dtype=np.int64)
+        elif not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
+                     for t in seq):
+            bad = next(t for t in seq if not isinstance(t, (int, np.integer))
+                       or isinstance(t, (bool, np.bool_)))
+            raise DTypeError(f"Invalid {name}: token ids must be integers, got "
+                             f"{type(bad).__name__} {bad!r}")
+        else:
+            try:
+                arr = np.asarray(seq, dtype=np.int64)
+            except OverflowError:
+                raise DTypeError(f"Invalid {name}: a token id does not fit in int64") from None
+    if arr.ndim != 1:
+        raise ShapeError(f"Invalid shape of {name}: expected 1 dimension, got {list(arr.shape)}")
+    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise DTypeError(f"Invalid dtype of {name}: expected integer token ids, got {arr.dtype}")
+    if arr.size == 0:
+        if not allow_empty:
+            raise ShapeError(f"Invalid {name}: expected at least one token, got none")
+        return np.empty(0, dtype=np.int64)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+        raise DTypeError(f"Invalid {name}: a token id does not fit in int64")
+    if int(arr.min()) < 0:
+        raise DTypeError(f"Invalid {name}: token ids must be >= 0, got {int(arr.min())}")
+    return np.ascontiguousarray(arr, dtype="<i8")
