@@ -20,3 +20,4 @@ from .store import KVStore
 __version__ = "0.1.0"
 from .cache import CacheStats, PagedKVCache, Sequence
 from .plan import Plan
+from .compat import CacheView, PagedCache
