@@ -137,7 +137,7 @@ class PagePool:
             it is referenced (double free); nothing changed.
         """
         page_ids = self._check_ids(page_ids, "page_ids")
-        counts = Counter(page_ids)
+        counts = Counter(page_ids) if len(page_ids) > 1 else {p: 1 for p in page_ids}
         for page_id, times in counts.items():
             if self._ref[page_id] < times:
                 raise PageStateError(
@@ -229,6 +229,8 @@ class PagePool:
 
     # ------------------------------------------------------------ validation
     def _check_id(self, page_id, name: str) -> int:
+        if type(page_id) is int and 0 <= page_id < self.num_pages:  # the common case, fast
+            return page_id
         if isinstance(page_id, bool) or not isinstance(page_id, numbers.Integral):
             raise DTypeError(f"Invalid {name}: expected an integer page id, "
                              f"got {type(page_id).__name__}")
