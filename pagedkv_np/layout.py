@@ -173,7 +173,8 @@ def check_array(
         raise DTypeError(f"Invalid dtype of {name}: expected {dtype}, got {x.dtype}")
     if contiguous and not x.flags.c_contiguous:
         raise ShapeError(f"Invalid strides of {name}: expected a C-contiguous array")
-    if writeable and not x.flags.writeable:
+    # Device arrays (CuPy) have no writeable flag: device memory is always writeable.
+    if writeable and not getattr(x.flags, "writeable", True):
         raise ShapeError(f"Invalid {name}: the array is read-only")
 
 

@@ -113,6 +113,11 @@ class Backend:
         """A zero-filled array of this backend."""
         return np.zeros(shape, dtype=dtype)
 
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
+        """An uninitialised array of this backend (``_gather`` writes every
+        element of its outputs, data or zero, so it needs no zero fill)."""
+        return np.empty(shape, dtype=dtype)
+
     def asarray(self, x: Any) -> Any:
         """``x`` as an array of this backend (no copy when already one)."""
         return np.asarray(x)
@@ -234,8 +239,8 @@ class Backend:
                     f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
                     f"got {num_positions}")
             shape = _out_shape(out_layout, num_seqs, int(num_positions), num_kv_heads, head_dim)
-            k_out = self.zeros(shape, k_cache.dtype)
-            v_out = self.zeros(shape, k_cache.dtype)
+            k_out = self.empty(shape, k_cache.dtype)
+            v_out = self.empty(shape, k_cache.dtype)
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise DTypeError(f"Invalid out: expected a (k, v) pair, got {describe(out)}")
@@ -290,6 +295,8 @@ class Backend:
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
                 layout, out_layout):  # pragma: no cover
+        """Fill every element of ``k_out``/``v_out``: data below each
+        sequence's length, zero at and past it."""
         raise NotImplementedError
 
     def _copy_pages(self, k_cache, v_cache, src_pages, dst_pages, layout):  # pragma: no cover
