@@ -410,6 +410,31 @@ class PagedKVCache:
                                        out_layout=layout, out=out,
                                        num_positions=num_positions, check_indices=False)
 
+    def discard(self, plan: Plan) -> None:
+        """Take back ``plan``: its new tokens were not written (say, the model
+        call failed).
+
+        They return to reserved-but-unplanned, so nothing of them enters the
+        prefix index and the next plan covers them again. Call it before any
+        other call to the cache, which would take the plan as written.
+        """
+        with self._lock:
+            self._check_plan(plan)
+            context_lens, rollback = plan.context_lens, []
+            for b, seq_id in enumerate(plan.seq_ids):
+                if plan.seq_lens[b] == context_lens[b]:
+                    continue
+                seq = self._live.get(seq_id)
+                if (seq is None or self._pending.get(seq_id) is not seq
+                        or seq._num_computed != plan.seq_lens[b]):
+                    raise StalePlanError(
+                        "Invalid plan: the cache was called after it, which took its "
+                        "tokens as written")
+                rollback.append((seq, int(context_lens[b])))
+            for seq, num_computed in rollback:
+                seq._num_computed = num_computed
+                del self._pending[seq.seq_id]
+
     # ------------------------------------------------------------ internals
     def _check_seq(self, seq: Any, name: str = "seq") -> None:
         if not isinstance(seq, Sequence):

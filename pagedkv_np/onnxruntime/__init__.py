@@ -1,0 +1,27 @@
+"""Generation with ONNX Runtime decoders over the paged K/V cache.
+
+``OrtDecoder`` runs any ONNX decoder with the standard I/O (optimum/torch
+exports, or onnxruntime-genai GroupQueryAttention models) with continuous
+batching and prefix reuse::
+
+    from pagedkv_np.onnxruntime import OrtDecoder
+    dec = OrtDecoder("model.onnx", num_pages=512, page_size=16, max_batch_size=8)
+    outs = dec.generate(prompts, max_new_tokens=64)
+
+Needs the ``onnx`` extra: ``pip install 'pagedkv-np[onnx]'``.
+"""
+
+try:
+    import onnx  # noqa: F401
+    import onnxruntime  # noqa: F401
+except ImportError as exc:
+    raise ImportError(
+        "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
+    ) from exc
+
+from .engine import OrtDecoder, RequestNotFound
+from .model_io import ModelIO, UnsupportedModelError
+from .sampling import SamplingParams
+
+__all__ = ["OrtDecoder", "RequestNotFound", "ModelIO", "UnsupportedModelError",
+           "SamplingParams"]

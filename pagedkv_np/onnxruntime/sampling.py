@@ -1,0 +1,85 @@
+"""Next-token choice from one row of logits: greedy, or seeded sampling.
+
+Each request draws from its own ``numpy.random.Generator``, so its tokens do
+not depend on which other requests share its batch, nor on being preempted
+and recomputed: one draw per generated token, always in the same order.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ConfigError, DTypeError
+
+__all__ = ["SamplingParams", "sample"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick a token.
+
+    ``temperature == 0`` is greedy (argmax, lowest id on ties). Otherwise
+    logits are divided by ``temperature``, cut to the ``top_k`` best
+    (``0``: no cut), then to the smallest set whose probability reaches
+    ``top_p``, and one token is drawn.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise DTypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+            raise DTypeError(f"Invalid top_k: expected an integer, got {type(self.top_k).__name__}")
+        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+            raise ConfigError(f"Invalid temperature: expected a finite value >= 0, "
+                              f"got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"Invalid top_k: expected >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"Invalid top_p: expected 0 < top_p <= 1, got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
+    """Pick the next token.
+
+    Parameters
+    ----------
+    logits : ndarray, shape [vocab_size], float dtype
+    params : SamplingParams
+    rng : numpy.random.Generator
+        Used (one ``random()`` draw) unless ``params`` is greedy.
+
+    Returns
+    -------
+    int
+        The token id.
+    """
+    if params.greedy:
+        return int(np.argmax(logits))
+    scaled = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < scaled.shape[0]:
+        keep = np.argpartition(scaled, -params.top_k)[-params.top_k:]
+    else:
+        keep = np.arange(scaled.shape[0])
+    # stable descending order: equal logits keep ascending ids, so the draw
+    # does not depend on argpartition's arbitrary tie order
+    keep = keep[np.lexsort((keep, -scaled[keep]))]
+    probs = np.exp(scaled[keep] - scaled[keep[0]])
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        keep, probs = keep[:cut], probs[:cut] / probs[:cut].sum()
+    idx = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    return int(keep[min(idx, keep.shape[0] - 1)])
