@@ -58,7 +58,7 @@ class Sequence:
 
     __slots__ = ("seq_id", "salt", "_owner", "_tokens", "_page_ids", "_num_tokens",
                  "_num_computed", "_num_cached", "_digests", "_num_indexed",
-                 "_chain_broken", "_released")
+                 "_identities", "_released", "_page_arr", "_num_synced")
 
     def __init__(self, seq_id: int, owner: int, salt: Any) -> None:
         self.seq_id = seq_id
@@ -70,9 +70,25 @@ class Sequence:
         self._num_computed = 0
         self._num_cached = 0
         self._digests: list[bytes] = []     # chained hashes of full pages
+        self._identities: list[tuple] = []  # index identity of each such page
         self._num_indexed = 0               # leading pages offered to the index
-        self._chain_broken = False
         self._released = False
+        # int32 mirror of _page_ids for plans, grown in place; entries from
+        # _num_synced on are out of date
+        self._page_arr = np.empty(0, dtype=np.int32)
+        self._num_synced = 0
+
+    def _page_array(self) -> np.ndarray:
+        """int32 [num pages]: the page ids as an array (amortised O(new pages))."""
+        n = len(self._page_ids)
+        if self._num_synced < n:
+            if self._page_arr.shape[0] < n:
+                grown = np.empty(max(16, 2 * n), dtype=np.int32)
+                grown[:self._num_synced] = self._page_arr[:self._num_synced]
+                self._page_arr = grown
+            self._page_arr[self._num_synced:n] = self._page_ids[self._num_synced:]
+            self._num_synced = n
+        return self._page_arr[:n]
 
     @property
     def num_tokens(self) -> int:
@@ -247,6 +263,7 @@ class PagedKVCache:
                 num_cached = len(pages) * self.page_size
                 seq._page_ids = list(pages)
                 seq._digests = list(digests)
+                seq._identities = [self.index.identity(p) for p in pages]
                 seq._num_indexed = len(pages)
                 seq._tokens += tokens[:num_cached].tobytes()
                 seq._num_tokens = seq._num_computed = seq._num_cached = num_cached
@@ -274,20 +291,23 @@ class PagedKVCache:
         new = as_tokens(tokens, "tokens")
         with self._lock:
             self._check_seq(seq)
-            self._commit_pending()
             n = len(new)
             if n == 0:
                 return
-            needed = self._pages_needed(seq, n)
+            shared = self._last_page_shared(seq)
+            needed = (-(-(seq._num_tokens + n) // self.page_size) - len(seq._page_ids)
+                      + shared)
             if needed > self.pool.num_available:
                 raise OutOfPages(needed, self.pool.num_available, f"extend by {n} token(s)")
-            pages = self.pool.allocate(needed)
-            if self._last_page_shared(seq):
+            self._commit_pending()  # indexing pages changes no page's availability
+            pages = self.pool.allocate(needed) if needed else []
+            if shared:
                 src, dst = seq._page_ids[-1], pages.pop()
                 self.backend.copy_pages(self.store.k, self.store.v,
                                         np.array([src], np.int32), np.array([dst], np.int32),
                                         layout=self.layout, check_indices=False)
                 seq._page_ids[-1] = dst
+                seq._num_synced = min(seq._num_synced, len(seq._page_ids) - 1)
                 self.pool.free([src])
             seq._page_ids.extend(pages)
             seq._tokens += new.tobytes()
@@ -314,8 +334,8 @@ class PagedKVCache:
             child._num_tokens = child._num_computed = seq._num_tokens
             child._num_cached = seq._num_cached
             child._digests = list(seq._digests)
+            child._identities = list(seq._identities)
             child._num_indexed = seq._num_indexed
-            child._chain_broken = seq._chain_broken
             self._live[child.seq_id] = child
             return child
 
@@ -358,7 +378,7 @@ class PagedKVCache:
                     raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
                 seen.add(seq.seq_id)
             self._commit_pending()
-            plan = build_plan([s._page_ids for s in seqs], [s._num_tokens for s in seqs],
+            plan = build_plan([s._page_array() for s in seqs], [s._num_tokens for s in seqs],
                               [s._num_computed for s in seqs], self.page_size,
                               [s.seq_id for s in seqs], self._owner, self._epoch)
             for seq in seqs:
@@ -456,7 +476,7 @@ class PagedKVCache:
 
     def _last_page_shared(self, seq: Sequence) -> bool:
         return (seq._num_tokens % self.page_size != 0
-                and self.pool.ref_count(seq._page_ids[-1]) > 1)
+                and self.pool._ref[seq._page_ids[-1]] > 1)
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         if n <= 0:
@@ -475,26 +495,28 @@ class PagedKVCache:
         self._pending.clear()
 
     def _index_full_pages(self, seq: Sequence) -> None:
+        """Offer the sequence's newly full pages to the index, in order.
+
+        Each page records the identity of its parent's content; once a page's
+        hash is taken by other content (a collision), later pages of this
+        sequence cannot be reached by a lookup and are not indexed.
+        """
         page_size, index = self.page_size, self.index
         step = 8 * page_size
         for i in range(seq._num_indexed, seq._num_computed // page_size):
-            if seq._chain_broken:
-                return
-            chunk = bytes(seq._tokens[i * step:(i + 1) * step])
             if i == 0:
                 parent_digest, parent = index.root(seq.salt)
             else:
-                parent_digest = seq._digests[i - 1]
-                parent_page = index.canonical(parent_digest)
-                if parent_page is None:  # parent evicted: children are unreachable
-                    seq._chain_broken = True
+                parent_digest, parent = seq._digests[i - 1], seq._identities[i - 1]
+                if parent is None:
                     return
-                parent = index.identity(parent_page)
-            digest = index.page_digest(parent_digest, chunk)
-            seq._digests.append(digest)
+            chunk = bytes(seq._tokens[i * step:(i + 1) * step])
             page_id = seq._page_ids[i]
-            if index.register(page_id, digest, chunk, parent):
+            digest, identity, indexed = index.insert(page_id, parent_digest, parent, chunk)
+            if indexed:
                 self.pool.mark_cached(page_id)
+            seq._digests.append(digest)
+            seq._identities.append(identity)
             seq._num_indexed = i + 1
 
     def check_invariants(self) -> None:

@@ -131,16 +131,17 @@ class PagedCache:
             raise PageStateError(f"Invalid page_idx: page {page_idx} is not in use")
         raw = tokens.tobytes()
         step = 8 * self.page_size
-        digest, parent = self._index.root()
-        for i in range(logical_page_idx + 1):
-            chunk = raw[i * step:(i + 1) * step]
-            if i:
-                parent_page = self._index.canonical(digest)
-                if parent_page is None:
-                    return
-                parent = self._index.identity(parent_page)
-            digest = self._index.page_digest(digest, chunk)
-        if self._index.register(page_idx, digest, chunk, parent):
+        # the earlier pages must be indexed, with exactly these tokens
+        parents, digests = self._index.lookup(raw, len(tokens), logical_page_idx, count=False)
+        if len(parents) < logical_page_idx:
+            return
+        if logical_page_idx:
+            parent_digest, parent = digests[-1], self._index.identity(parents[-1])
+        else:
+            parent_digest, parent = self._index.root()
+        chunk = raw[logical_page_idx * step:(logical_page_idx + 1) * step]
+        _, _, indexed = self._index.insert(page_idx, parent_digest, parent, chunk)
+        if indexed:
             self._pool.mark_cached(page_idx)
 
     def lookup_prefix(self, token_ids: Any) -> list[int]:

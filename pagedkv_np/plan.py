@@ -67,7 +67,7 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 
 
 def build_plan(
-    page_lists: Sequence[Sequence[int]],
+    page_arrays: Sequence[np.ndarray],
     seq_lens: Sequence[int],
     context_lens: Sequence[int],
     page_size: int,
@@ -77,23 +77,22 @@ def build_plan(
 ) -> Plan:
     """Build a :class:`Plan` from each sequence's pages and lengths.
 
-    ``page_lists[b]`` must cover ``seq_lens[b]`` tokens and
+    ``page_arrays[b]`` (int32 arrays or lists of ids) must cover ``seq_lens[b]`` tokens and
     ``context_lens[b] <= seq_lens[b]``; the caller guarantees both.
     """
-    num_seqs = len(page_lists)
-    max_pages = max((len(p) for p in page_lists), default=0)
+    num_seqs = len(page_arrays)
+    max_pages = max((len(p) for p in page_arrays), default=0)
     page_table = np.full((num_seqs, max_pages), -1, dtype=np.int32)
-    lens = np.asarray(seq_lens, dtype=np.int32).reshape(num_seqs)
-    ctx = np.asarray(context_lens, dtype=np.int64).reshape(num_seqs)
+    for b, pages in enumerate(page_arrays):
+        page_table[b, :len(pages)] = pages
+    lens = np.array(seq_lens, dtype=np.int32).reshape(num_seqs)
+    ctx = np.array(context_lens, dtype=np.int32).reshape(num_seqs)
+    new = lens - ctx
     qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(lens - ctx, out=qsl[1:])
-    slots = np.empty(int(qsl[-1]), dtype=np.int32)
-    for b, pages in enumerate(page_lists):
-        if pages:
-            page_table[b, :len(pages)] = pages
-        lo, hi = int(ctx[b]), int(lens[b])
-        if hi > lo:
-            pos = np.arange(lo, hi, dtype=np.int64)
-            slots[qsl[b]:qsl[b + 1]] = page_table[b, pos // page_size] * np.int64(page_size) + pos % page_size
-    return Plan(_readonly(page_table), _readonly(lens), _readonly(slots), _readonly(qsl),
-                tuple(seq_ids), owner, epoch)
+    np.cumsum(new, out=qsl[1:])
+    # position of each new token: its sequence's context length plus its rank
+    rows = np.repeat(np.arange(num_seqs), new)
+    pos = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(ctx - qsl[:-1], new)
+    slots = page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
+    return Plan(_readonly(page_table), _readonly(lens), _readonly(slots.astype(np.int32)),
+                _readonly(qsl), tuple(seq_ids), owner, epoch)

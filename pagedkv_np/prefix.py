@@ -176,6 +176,35 @@ class PrefixIndex:
         self._entries[page_id] = _Entry(digest, tokens, parent)
         return True
 
+    def insert(self, page_id: int, parent_digest: bytes, parent: tuple,
+               tokens: bytes) -> tuple[bytes, tuple | None, bool]:
+        """Offer ``page_id`` as the page after ``parent`` holding ``tokens``.
+
+        Returns
+        -------
+        digest : bytes
+            The page's chained hash.
+        identity : tuple or None
+            The identity that children of this content record: this page's,
+            or that of an indexed page holding the same tokens after the same
+            parent. ``None`` when another content holds the hash (a
+            collision): children of this page cannot be indexed.
+        indexed : bool
+            Whether ``page_id`` itself is now indexed.
+        """
+        digest = self._hash(self.secret, parent_digest, tokens)
+        current = self._by_hash.get(digest)
+        if current is None:
+            self.register(page_id, digest, tokens, parent)
+            return digest, self.identity(page_id), True
+        if current == page_id:
+            return digest, self.identity(page_id), True
+        entry = self._entries[current]
+        if entry.tokens == tokens and entry.parent == parent:
+            return digest, self.identity(current), False
+        self.num_rejected += 1
+        return digest, None, False
+
     def canonical(self, digest: bytes) -> int | None:
         """The page indexed under ``digest``, if any."""
         return self._by_hash.get(digest)

@@ -20,6 +20,12 @@ def as_tokens(tokens: Any, name: str = "tokens", allow_empty: bool = True) -> np
     non-integer ids (floats, bools, strings) and :class:`ShapeError` for
     nested or empty (unless ``allow_empty``) input.
     """
+    if (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1
+            and 0 < tokens.shape[0] <= 64):
+        # the decode-step case, kept cheap: a few int64 ids
+        if min(tokens.tolist()) < 0:
+            raise DTypeError(f"Invalid {name}: token ids must be >= 0, got {min(tokens.tolist())}")
+        return np.ascontiguousarray(tokens, dtype="<i8")
     if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise DTypeError(f"Invalid {name}: expected a sequence of integer token ids, "
                          f"got {type(tokens).__name__}")
