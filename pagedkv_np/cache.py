@@ -11,13 +11,13 @@ like this (one step of a batch)::
         k, v = cache.gather(layer, plan)      # contiguous [B, H, T, D]
     cache.release(seq)                        # full pages stay for reuse
 
-Full pages enter the prefix index once their K/V is written: the tokens a
-plan covers are taken as written when the cache is next called (any
-``add_sequence``, ``extend``, ``plan``, ``fork`` or ``release``). Write every
-layer of a plan before calling the cache again.
+Full pages enter the prefix index once their K/V is written: when every
+layer of the plan that covers them has been written. Until then no other
+sequence can be served them.
 
 Every public method holds one re-entrant lock, so a cache can be shared by
-threads; each call is atomic.
+threads; each call is atomic. A plan stays valid until one of its own
+sequences is extended or released, whatever other threads do meanwhile.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 
 from .backends import Backend, get_backend
 from .errors import ConfigError, DTypeError, OutOfPages, SequenceError, StalePlanError
-from .layout import OutputLayout, StoreLayout
+from .layout import OutputLayout, StoreLayout, check_nonneg_int
 from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
@@ -57,7 +57,8 @@ class Sequence:
     """
 
     __slots__ = ("seq_id", "salt", "_owner", "_tokens", "_page_ids", "_num_tokens",
-                 "_num_computed", "_num_cached", "_digests", "_num_indexed",
+                 "_num_computed", "_num_written", "_version", "_num_cached", "_digests",
+                 "_num_indexed",
                  "_identities", "_released", "_page_arr", "_num_synced")
 
     def __init__(self, seq_id: int, owner: int, salt: Any) -> None:
@@ -68,6 +69,8 @@ class Sequence:
         self._page_ids: list[int] = []
         self._num_tokens = 0
         self._num_computed = 0
+        self._num_written = 0               # leading tokens written in every layer
+        self._version = 0                   # bumped when pages are reserved or released
         self._num_cached = 0
         self._digests: list[bytes] = []     # chained hashes of full pages
         self._identities: list[tuple] = []  # index identity of each such page
@@ -200,7 +203,6 @@ class PagedKVCache:
         self._epoch = 0
         self._seq_ids = itertools.count()
         self._live: dict[int, Sequence] = {}
-        self._pending: dict[int, Sequence] = {}
 
     # ------------------------------------------------------------ properties
     num_layers = property(lambda self: self.store.num_layers)
@@ -254,7 +256,6 @@ class PagedKVCache:
         tokens = as_tokens(prompt, "prompt", allow_empty=False)
         encode_salt(salt)  # type check before any change
         with self._lock:
-            self._commit_pending()
             seq = Sequence(next(self._seq_ids), self._owner, salt)
             if self.enable_prefix_caching:
                 max_pages = (len(tokens) - 1) // self.page_size
@@ -267,14 +268,16 @@ class PagedKVCache:
                 seq._num_indexed = len(pages)
                 seq._tokens += tokens[:num_cached].tobytes()
                 seq._num_tokens = seq._num_computed = seq._num_cached = num_cached
+                seq._num_written = num_cached
             self._live[seq.seq_id] = seq
             return seq
 
     def num_pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Pages that ``extend(seq, <num_new_tokens tokens>)`` would allocate."""
+        num_new_tokens = check_nonneg_int(num_new_tokens, "num_new_tokens")
         with self._lock:
             self._check_seq(seq)
-            return self._pages_needed(seq, int(num_new_tokens))
+            return self._pages_needed(seq, num_new_tokens)
 
     def can_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Whether ``extend`` of that many tokens would succeed now."""
@@ -299,7 +302,6 @@ class PagedKVCache:
                       + shared)
             if needed > self.pool.num_available:
                 raise OutOfPages(needed, self.pool.num_available, f"extend by {n} token(s)")
-            self._commit_pending()  # indexing pages changes no page's availability
             pages = self.pool.allocate(needed) if needed else []
             if shared:
                 src, dst = seq._page_ids[-1], pages.pop()
@@ -312,6 +314,7 @@ class PagedKVCache:
             seq._page_ids.extend(pages)
             seq._tokens += new.tobytes()
             seq._num_tokens += n
+            seq._version += 1
             self._epoch += 1
 
     def fork(self, seq: Sequence) -> Sequence:
@@ -326,12 +329,12 @@ class PagedKVCache:
             if seq._num_computed != seq._num_tokens:
                 raise SequenceError(
                     "Invalid seq: it has reserved tokens not yet planned; plan them before fork")
-            self._commit_pending()
             child = Sequence(next(self._seq_ids), self._owner, seq.salt)
             self.pool.inc_ref(seq._page_ids)
             child._tokens = bytearray(seq._tokens)
             child._page_ids = list(seq._page_ids)
             child._num_tokens = child._num_computed = seq._num_tokens
+            child._num_written = seq._num_written
             child._num_cached = seq._num_cached
             child._digests = list(seq._digests)
             child._identities = list(seq._identities)
@@ -339,22 +342,18 @@ class PagedKVCache:
             self._live[child.seq_id] = child
             return child
 
-    def release(self, seq: Sequence, cache_prefix: bool = True) -> None:
+    def release(self, seq: Sequence) -> None:
         """Drop the sequence and its page references.
 
-        Its full, planned pages stay in the prefix index (evictable once no
+        Its full, written pages stay in the prefix index (evictable once no
         sequence holds them); pages are freed tail first, so a prefix's tail
-        is evicted before its head. With ``cache_prefix=False`` nothing more
-        of this sequence is indexed (use it when its last plan was never
-        written). A released sequence cannot be used again.
+        is evicted before its head. A released sequence cannot be used again.
         """
         with self._lock:
             self._check_seq(seq)
-            if not cache_prefix:
-                self._pending.pop(seq.seq_id, None)
-            self._commit_pending()
             self.pool.free(reversed(seq._page_ids))
             seq._released = True
+            seq._version += 1
             seq._page_ids = []
             del self._live[seq.seq_id]
             self._epoch += 1
@@ -377,14 +376,12 @@ class PagedKVCache:
                 if seq.seq_id in seen:
                     raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
                 seen.add(seq.seq_id)
-            self._commit_pending()
             plan = build_plan([s._page_array() for s in seqs], [s._num_tokens for s in seqs],
                               [s._num_computed for s in seqs], self.page_size,
-                              [s.seq_id for s in seqs], self._owner, self._epoch)
+                              [s.seq_id for s in seqs], self._owner, self._epoch,
+                              tuple(seqs), tuple(s._version for s in seqs), self.num_layers)
             for seq in seqs:
-                if seq._num_computed != seq._num_tokens:
-                    seq._num_computed = seq._num_tokens
-                    self._pending[seq.seq_id] = seq
+                seq._num_computed = seq._num_tokens
             return plan
 
     def write(self, layer: int, plan: Plan, k: Any, v: Any) -> None:
@@ -402,6 +399,8 @@ class PagedKVCache:
             self._check_plan(plan)
             self.backend.write(self.store.k, self.store.v, layer, plan.slot_mapping, k, v,
                                layout=self.store.layout, check_indices=False)
+            if plan._mark_written(layer):
+                self._plan_written(plan)
 
     def gather(self, layer: int, plan: Plan, layout: "str | OutputLayout" = "BHTD",
                out: tuple[Any, Any] | None = None,
@@ -431,29 +430,29 @@ class PagedKVCache:
                                        num_positions=num_positions, check_indices=False)
 
     def discard(self, plan: Plan) -> None:
-        """Take back ``plan``: its new tokens were not written (say, the model
-        call failed).
+        """Take back ``plan``: its K/V was not (fully) written, say because
+        the model call failed.
 
-        They return to reserved-but-unplanned, so nothing of them enters the
-        prefix index and the next plan covers them again. Call it before any
-        other call to the cache, which would take the plan as written.
+        Its sequences' new tokens return to reserved-but-unplanned, so the
+        next plan covers them again, and the plan can no longer be written.
+        A plan written in every layer cannot be discarded.
+        A sequence planned again since keeps its state; its unwritten tokens
+        are then never indexed.
         """
         with self._lock:
-            self._check_plan(plan)
-            context_lens, rollback = plan.context_lens, []
-            for b, seq_id in enumerate(plan.seq_ids):
-                if plan.seq_lens[b] == context_lens[b]:
-                    continue
-                seq = self._live.get(seq_id)
-                if (seq is None or self._pending.get(seq_id) is not seq
-                        or seq._num_computed != plan.seq_lens[b]):
-                    raise StalePlanError(
-                        "Invalid plan: the cache was called after it, which took its "
-                        "tokens as written")
-                rollback.append((seq, int(context_lens[b])))
-            for seq, num_computed in rollback:
-                seq._num_computed = num_computed
-                del self._pending[seq.seq_id]
+            if not isinstance(plan, Plan):
+                raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
+            if plan._owner != self._owner:
+                raise StalePlanError("Invalid plan: it was built by another cache")
+            if plan.is_written and plan.num_new_tokens:
+                raise StalePlanError(
+                    "Invalid plan: every layer of it was written, so its pages may already "
+                    "be shared; release the sequences instead")
+            plan._discard()
+            context_lens = plan.context_lens
+            for b, seq in enumerate(plan._seqs):
+                if not seq._released and seq._num_computed == plan.seq_lens[b]:
+                    seq._num_computed = int(context_lens[b])
 
     # ------------------------------------------------------------ internals
     def _check_seq(self, seq: Any, name: str = "seq") -> None:
@@ -469,10 +468,14 @@ class PagedKVCache:
             raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
         if plan._owner != self._owner:
             raise StalePlanError("Invalid plan: it was built by another cache")
-        if plan._epoch != self._epoch:
+        if plan.is_discarded:
+            raise StalePlanError("Invalid plan: it was discarded")
+        if plan._epoch == self._epoch:  # nothing was reserved or released since
+            return
+        if any(s._version != v for s, v in zip(plan._seqs, plan._versions)):
             raise StalePlanError(
-                "Invalid plan: pages were reserved or released since it was built; "
-                "build a new plan")
+                "Invalid plan: one of its sequences was extended or released since it "
+                "was built; build a new plan")
 
     def _last_page_shared(self, seq: Sequence) -> bool:
         return (seq._num_tokens % self.page_size != 0
@@ -484,15 +487,16 @@ class PagedKVCache:
         total = -(-(seq._num_tokens + n) // self.page_size)
         return total - len(seq._page_ids) + int(self._last_page_shared(seq))
 
-    def _commit_pending(self) -> None:
-        """Index the full pages of every plan handed out so far."""
-        if not self._pending:
-            return
-        if self.enable_prefix_caching:
-            for seq in self._pending.values():
-                if not seq._released:
-                    self._index_full_pages(seq)
-        self._pending.clear()
+    def _plan_written(self, plan: Plan) -> None:
+        """Every layer of ``plan`` is written: its full pages may be shared."""
+        context_lens = plan.context_lens
+        for b, seq in enumerate(plan._seqs):
+            # a hole (a discarded plan before this one) stops the written run
+            if seq._released or seq._num_written < context_lens[b]:
+                continue
+            seq._num_written = max(seq._num_written, int(plan.seq_lens[b]))
+            if self.enable_prefix_caching:
+                self._index_full_pages(seq)
 
     def _index_full_pages(self, seq: Sequence) -> None:
         """Offer the sequence's newly full pages to the index, in order.
@@ -503,7 +507,7 @@ class PagedKVCache:
         """
         page_size, index = self.page_size, self.index
         step = 8 * page_size
-        for i in range(seq._num_indexed, seq._num_computed // page_size):
+        for i in range(seq._num_indexed, seq._num_written // page_size):
             if i == 0:
                 parent_digest, parent = index.root(seq.salt)
             else:
@@ -530,6 +534,7 @@ class PagedKVCache:
                 assert len(seq._page_ids) == -(-seq._num_tokens // self.page_size)
                 assert len(seq._tokens) == 8 * seq._num_tokens
                 assert seq._num_cached <= seq._num_computed <= seq._num_tokens
+                assert seq._num_written <= seq._num_computed
                 for page_id in seq._page_ids:
                     refs[page_id] += 1
             for page_id in range(self.num_pages):

@@ -14,7 +14,7 @@ import numpy as np
 
 from .backends import Backend, get_backend
 from .errors import DTypeError, OutOfPages, PageIdError, PageStateError, ShapeError
-from .layout import OutputLayout, StoreLayout, check_array
+from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
 from .pool import PagePool
 from .prefix import PrefixIndex
 from .store import KVStore
@@ -24,7 +24,10 @@ __all__ = ["PagedCache", "CacheView"]
 
 
 def _as_page_table(page_table: Any, num_pages: int) -> np.ndarray:
-    arr = np.asarray(page_table)
+    try:
+        arr = np.asarray(page_table)
+    except ValueError:  # ragged nested lists
+        raise ShapeError("Invalid page_table: expected a 2-D table, got ragged rows") from None
     if arr.ndim != 2:
         raise ShapeError(f"Invalid shape of page_table: expected 2 dimensions, got {list(arr.shape)}")
     if arr.size and arr.dtype.kind not in "iu":
@@ -86,6 +89,7 @@ class PagedCache:
 
         Differs from the seed: all or nothing; on shortage nothing is evicted.
         """
+        n = check_nonneg_int(n, "n")
         try:
             return self._pool.allocate(n)
         except OutOfPages:
@@ -98,14 +102,14 @@ class PagedCache:
         :class:`PageStateError` and changes nothing (the seed's count went
         negative and the page was lost).
         """
-        self._pool.free([idx])
+        self._pool.free([self._pool._check_id(idx, "idx")])
 
     def inc_ref(self, idx: int) -> None:
         """Add a reference; an evictable page is taken out of the LRU.
 
         Differs from the seed: a free page raises (its contents are garbage).
         """
-        self._pool.inc_ref([idx])
+        self._pool.inc_ref([self._pool._check_id(idx, "idx")])
 
     # ---------------------------------------------------------- prefix index
     def record_page(self, page_idx: int, token_ids: Any, logical_page_idx: int) -> None:

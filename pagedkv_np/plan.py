@@ -40,6 +40,29 @@ class Plan:
     seq_ids: tuple[int, ...]
     _owner: int = field(repr=False, default=0)
     _epoch: int = field(repr=False, default=0)
+    _seqs: tuple = field(repr=False, default=())
+    _versions: tuple = field(repr=False, default=())
+    # per layer: written yet? The last byte flags a discarded plan.
+    _written: bytearray = field(repr=False, default_factory=bytearray)
+
+    def _mark_written(self, layer: int) -> bool:
+        """Record a written layer; True exactly when the last one arrives."""
+        if self._written[layer]:
+            return False
+        self._written[layer] = 1
+        return self._written.count(1) == len(self._written) - 1
+
+    def _discard(self) -> None:
+        self._written[-1] = 2
+
+    @property
+    def is_written(self) -> bool:
+        """Whether every layer has been written through this plan."""
+        return len(self._written) > 1 and self._written.count(1) == len(self._written) - 1
+
+    @property
+    def is_discarded(self) -> bool:
+        return bool(self._written) and self._written[-1] == 2
 
     @property
     def num_seqs(self) -> int:
@@ -74,6 +97,9 @@ def build_plan(
     seq_ids: Sequence[int],
     owner: int = 0,
     epoch: int = 0,
+    seqs: tuple = (),
+    versions: tuple = (),
+    num_layers: int = 0,
 ) -> Plan:
     """Build a :class:`Plan` from each sequence's pages and lengths.
 
@@ -95,4 +121,5 @@ def build_plan(
     pos = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(ctx - qsl[:-1], new)
     slots = page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
     return Plan(_readonly(page_table), _readonly(lens), _readonly(slots.astype(np.int32)),
-                _readonly(qsl), tuple(seq_ids), owner, epoch)
+                _readonly(qsl), tuple(seq_ids), owner, epoch, seqs, versions,
+                bytearray(num_layers + 1))

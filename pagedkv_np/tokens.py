@@ -39,6 +39,9 @@ def as_tokens(tokens: Any, name: str = "tokens", allow_empty: bool = True) -> np
                              f"got {type(tokens).__name__}") from None
         if not seq:
             arr = np.empty(0, dtype=np.int64)
+        elif any(isinstance(t, (list, tuple, np.ndarray)) for t in seq):
+            raise ShapeError(f"Invalid shape of {name}: expected a flat sequence of token ids, "
+                             "got nested sequences")
         elif not all(isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_))
                      for t in seq):
             bad = next(t for t in seq if not isinstance(t, (int, np.integer))
