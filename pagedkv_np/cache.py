@@ -172,6 +172,10 @@ class PagedKVCache:
         Key of the prefix hashes; random when omitted.
     enable_prefix_caching : bool
         When False, nothing is looked up or indexed.
+    partial_page_reuse : bool
+        Also reuse the leading tokens of a page that a prompt shares only in
+        part (copying that page), so that a shared prefix shorter than a page,
+        or one that ends inside a page, still hits.
     """
 
     def __init__(
@@ -188,6 +192,7 @@ class PagedKVCache:
         memory_bytes: int | None = None,
         hash_secret: bytes | None = None,
         enable_prefix_caching: bool = True,
+        partial_page_reuse: bool = True,
         _hash_fn=None,
     ) -> None:
         self.backend = get_backend(backend)
@@ -198,6 +203,7 @@ class PagedKVCache:
         self.index = PrefixIndex(self.store.page_size, hash_secret, _hash_fn)
         self.pool.on_evict = self.index.remove
         self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.partial_page_reuse = bool(partial_page_reuse)
         self._lock = threading.RLock()
         self._owner = next(_owner_ids)
         self._epoch = 0
@@ -241,9 +247,16 @@ class PagedKVCache:
     def add_sequence(self, prompt: Any, salt: "str | bytes | int | None" = None) -> Sequence:
         """Start a sequence for ``prompt``, holding the pages of its cached prefix.
 
-        At most ``len(prompt) - 1`` tokens are served from the cache, whole
-        pages only, so the last prompt token is always computed and yields
-        logits. The caller then extends the sequence with
+        At most ``len(prompt) - 1`` tokens are served from the cache, so the
+        last prompt token is always computed and yields logits. Whole pages
+        are shared by reference; with ``partial_page_reuse``, the page where
+        the prompt leaves the cached prefix is copied and its shared leading
+        tokens kept::
+
+            prompt:  | page 0 (hit) | page 1 (hit) | 5 shared, then different ... |
+            seq:     | shared page  | shared page  | copy: 5 tokens kept | extend ->
+
+        The caller then extends the sequence with
         ``prompt[seq.num_cached_tokens:]``.
 
         Parameters
@@ -266,6 +279,8 @@ class PagedKVCache:
                 seq._digests = list(digests)
                 seq._identities = [self.index.identity(p) for p in pages]
                 seq._num_indexed = len(pages)
+                if self.partial_page_reuse:
+                    num_cached += self._reuse_partial(seq, tokens, num_cached)
                 seq._tokens += tokens[:num_cached].tobytes()
                 seq._num_tokens = seq._num_computed = seq._num_cached = num_cached
                 seq._num_written = num_cached
@@ -346,11 +361,14 @@ class PagedKVCache:
         """Drop the sequence and its page references.
 
         Its full, written pages stay in the prefix index (evictable once no
-        sequence holds them); pages are freed tail first, so a prefix's tail
-        is evicted before its head. A released sequence cannot be used again.
+        sequence holds them), and so does its partly filled last page when
+        ``partial_page_reuse`` is on; pages are freed tail first, so a
+        prefix's tail is evicted before its head. A released sequence cannot be used again.
         """
         with self._lock:
             self._check_seq(seq)
+            if self.enable_prefix_caching and self.partial_page_reuse:
+                self._index_partial_tail(seq)
             self.pool.free(reversed(seq._page_ids))
             seq._released = True
             seq._version += 1
@@ -455,6 +473,46 @@ class PagedKVCache:
                     seq._num_computed = int(context_lens[b])
 
     # ------------------------------------------------------------ internals
+    def _reuse_partial(self, seq: Sequence, tokens: np.ndarray, num_cached: int) -> int:
+        """Copy the cached page sharing the most leading tokens with the rest
+        of the prompt into a new page of ``seq``; return the tokens shared."""
+        limit = min(self.page_size, len(tokens) - 1 - num_cached)
+        if limit <= 0:
+            return 0
+        parent = seq._identities[-1] if seq._identities else self.index.root(seq.salt)[1]
+        match = self.index.best_child(parent, tokens[num_cached:num_cached + limit].tobytes())
+        if match is None:
+            return 0
+        src, shared = match
+        self.pool.inc_ref([src])        # keeps it from being evicted by the allocation
+        try:
+            if not self.pool.can_allocate(1):
+                return 0
+            dst = self.pool.allocate(1)[0]
+            self.backend.copy_pages(self.store.k, self.store.v, np.array([src], np.int32),
+                                    np.array([dst], np.int32), layout=self.layout,
+                                    check_indices=False)
+        finally:
+            self.pool.free([src])
+        seq._page_ids.append(dst)
+        self.index.count_hit(shared)
+        self._epoch += 1
+        return shared
+
+    def _index_partial_tail(self, seq: Sequence) -> None:
+        """List a released sequence's partly filled, written last page."""
+        num_full, tail = divmod(seq._num_written, self.page_size)
+        if (tail == 0 or seq._num_indexed != num_full or len(seq._page_ids) <= num_full):
+            return
+        parent = seq._identities[-1] if num_full else self.index.root(seq.salt)[1]
+        page_id = seq._page_ids[num_full]
+        if parent is None or self.pool._ref[page_id] != 1:  # broken chain, or shared by a fork
+            return
+        step = 8 * self.page_size
+        tokens = bytes(seq._tokens[num_full * step:num_full * step + 8 * tail])
+        if self.index.register_partial(page_id, parent, tokens):
+            self.pool.mark_cached(page_id)
+
     def _check_seq(self, seq: Any, name: str = "seq") -> None:
         if not isinstance(seq, Sequence):
             raise DTypeError(f"Invalid {name}: expected a Sequence, got {type(seq).__name__}")

@@ -13,6 +13,13 @@ it: equal tokens after different prefixes, or at different positions, hash
 differently. A ``salt`` enters the root, so requests with different salts
 never share a page.
 
+A prompt that diverges inside a page can still reuse that page's leading
+tokens: the index also lists, for each parent, its children (full pages and
+the partly filled last pages of released sequences), and
+:meth:`PrefixIndex.best_child` finds the child that shares the longest run
+of tokens with the prompt. The cache copies that page and keeps only the
+shared tokens, so a shared prefix shorter than a page still hits.
+
 A hash is never trusted on its own. Each indexed page stores its tokens and
 the identity of its parent page ``(page_id, generation)``; a lookup accepts a
 page only if its tokens equal the prompt's and its parent is the page accepted
@@ -30,10 +37,15 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 from .errors import ConfigError, DTypeError
 from .layout import check_positive_int
 
 __all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
+
+MAX_CHILDREN = 32
+"""Children listed per parent for partial matches (bounds the search)."""
 
 HashFn = Callable[[bytes, bytes, bytes], bytes]
 
@@ -96,6 +108,8 @@ class PrefixIndex:
         self._by_hash: dict[bytes, int] = {}
         self._entries: dict[int, _Entry] = {}
         self._generation: dict[int, int] = {}
+        self._partials: dict[int, _Entry] = {}      # partly filled pages (no digest)
+        self._children: dict[tuple, dict[int, None]] = {}
         self.hit_tokens = 0
         self.query_tokens = 0
         self.num_rejected = 0
@@ -174,6 +188,59 @@ class PrefixIndex:
             self.remove(page_id)
         self._by_hash[digest] = page_id
         self._entries[page_id] = _Entry(digest, tokens, parent)
+        self._add_child(parent, page_id)
+        return True
+
+    def register_partial(self, page_id: int, parent: tuple, tokens: bytes) -> bool:
+        """List a partly filled page (``0 < tokens < page_size``) as a child of
+        ``parent`` for partial matches; return whether it was listed.
+
+        Nothing changes when the page is already indexed, or when a listed
+        child of ``parent`` already starts with these tokens.
+        """
+        if not 0 < len(tokens) < 8 * self.page_size or len(tokens) % 8:
+            raise ConfigError("Invalid tokens: a partial page holds 1 to page_size - 1 tokens")
+        if page_id in self._entries or page_id in self._partials:
+            return False
+        for child in self._children.get(parent, ()):
+            if self._child_tokens(child).startswith(tokens):
+                return False
+        if not self._add_child(parent, page_id):
+            return False
+        self._partials[page_id] = _Entry(b"", tokens, parent)
+        return True
+
+    def best_child(self, parent: tuple, tokens: bytes) -> tuple[int, int] | None:
+        """The child of ``parent`` sharing the longest leading run with
+        ``tokens`` (int64 bytes), as ``(page_id, num_shared_tokens)``; None
+        when no child shares a token."""
+        children = self._children.get(parent)
+        if not children or not tokens:
+            return None
+        want = np.frombuffer(tokens, dtype="<i8")
+        best_page, best_len = -1, 0
+        for child in children:
+            have = np.frombuffer(self._child_tokens(child), dtype="<i8")
+            n = min(have.shape[0], want.shape[0])
+            differ = np.flatnonzero(have[:n] != want[:n])
+            shared = int(differ[0]) if differ.size else n
+            if shared > best_len:
+                best_page, best_len = child, shared
+        return (best_page, best_len) if best_len else None
+
+    def count_hit(self, num_tokens: int) -> None:
+        """Add tokens served by a partial match to the hit counter."""
+        self.hit_tokens += num_tokens
+
+    def _child_tokens(self, page_id: int) -> bytes:
+        entry = self._entries.get(page_id) or self._partials[page_id]
+        return entry.tokens
+
+    def _add_child(self, parent: tuple, page_id: int) -> bool:
+        children = self._children.setdefault(parent, {})
+        if len(children) >= MAX_CHILDREN:
+            return False
+        children[page_id] = None
         return True
 
     def insert(self, page_id: int, parent_digest: bytes, parent: tuple,
@@ -212,13 +279,21 @@ class PrefixIndex:
     def remove(self, page_id: int) -> None:
         """Forget ``page_id`` (it was evicted or is being reused)."""
         entry = self._entries.pop(page_id, None)
-        if entry is None:
-            return
-        del self._by_hash[entry.digest]
+        if entry is not None:
+            del self._by_hash[entry.digest]
+        else:
+            entry = self._partials.pop(page_id, None)
+            if entry is None:
+                return
+        children = self._children.get(entry.parent)
+        if children is not None:
+            children.pop(page_id, None)
+            if not children:
+                del self._children[entry.parent]
         self._generation[page_id] = self._generation.get(page_id, 0) + 1
 
     def __contains__(self, page_id: int) -> bool:
-        return page_id in self._entries
+        return page_id in self._entries or page_id in self._partials
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -232,3 +307,12 @@ class PrefixIndex:
         assert len(self._by_hash) == len(self._entries)
         for page_id, entry in self._entries.items():
             assert self._by_hash.get(entry.digest) == page_id
+        assert not set(self._entries) & set(self._partials)
+        listed = set()
+        for parent, children in self._children.items():
+            assert children and len(children) <= MAX_CHILDREN
+            for child in children:
+                entry = self._entries.get(child) or self._partials.get(child)
+                assert entry is not None and entry.parent == parent
+                listed.add(child)
+        assert set(self._partials) <= listed

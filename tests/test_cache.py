@@ -75,7 +75,8 @@ def run_prompt(cache, prompt, expected_kv, salt=None):
 # ------------------------------------------------------------------- flows
 
 def test_the_documented_flow(expected_kv):
-    cache = PagedKVCache(2, 64, 16, 2, 8, dtype="float32", backend="numpy")
+    cache = PagedKVCache(2, 64, 16, 2, 8, dtype="float32", backend="numpy",
+                         partial_page_reuse=False)
     prompt = list(range(100, 140))  # 2 full pages and 8 tokens
     seq = cache.add_sequence(prompt)
     assert seq.num_cached_tokens == 0
@@ -141,7 +142,7 @@ def test_gather_default_layout_is_bhtd(expected_kv):
 
 
 def test_prefix_reuse_across_requests(expected_kv):
-    cache = make_cache(page_size=4)
+    cache = make_cache(page_size=4, partial_page_reuse=False)
     system = list(range(1000, 1010))  # 10 tokens: 2 full pages shared
     first, _ = run_prompt(cache, system + [1, 2, 3], expected_kv)
     first_pages = first.page_ids
@@ -172,7 +173,7 @@ def test_live_sequences_share_prefix_pages(expected_kv):
 
 
 def test_release_frees_tail_first_and_keeps_full_pages(expected_kv):
-    cache = make_cache(num_pages=8, page_size=2)
+    cache = make_cache(num_pages=8, page_size=2, partial_page_reuse=False)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7], expected_kv)
     pages = seq.page_ids
     cache.release(seq)
@@ -197,7 +198,7 @@ def test_full_pages_are_indexed_only_after_the_plan_is_followed_by_a_call(expect
 
 
 def test_extend_evicts_least_recently_used_cached_pages(expected_kv):
-    cache = make_cache(num_pages=6, page_size=2)
+    cache = make_cache(num_pages=6, page_size=2, partial_page_reuse=False)
     old, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)   # 2 full pages + 1
     old_pages = old.page_ids
     cache.release(old)
@@ -384,7 +385,7 @@ def test_released_sequence_cannot_be_used(expected_kv, state_of, same_state):
 
 
 def test_release_after_an_unwritten_plan_indexes_nothing_of_it(expected_kv):
-    cache = make_cache(page_size=2)
+    cache = make_cache(page_size=2, partial_page_reuse=False)
     seq = cache.add_sequence([1, 2, 3, 4, 5, 6, 7])
     cache.extend(seq, [1, 2, 3])
     plan = cache.plan([seq])
@@ -399,7 +400,7 @@ def test_release_after_an_unwritten_plan_indexes_nothing_of_it(expected_kv):
 
 
 def test_release_with_caching_indexes_full_planned_pages(expected_kv):
-    cache = make_cache(page_size=2)
+    cache = make_cache(page_size=2, partial_page_reuse=False)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7], expected_kv)
     cache.extend(seq, [8, 9])  # reserved, never planned: not indexed
     cache.release(seq)
@@ -414,6 +415,70 @@ def test_disabled_prefix_caching_looks_up_and_indexes_nothing(expected_kv):
     assert len(cache.index) == 0 and cache.num_free_pages == cache.num_pages
     again = cache.add_sequence([1, 2, 3, 4, 5])
     assert again.num_cached_tokens == 0 and cache.stats.prefix_query_tokens == 0
+
+
+# ------------------------------------------------------------ partial pages
+
+def test_a_shared_prefix_shorter_than_a_page_hits(expected_kv):
+    cache = make_cache(page_size=16)
+    first, _ = run_prompt(cache, [7, 8, 9, 1, 2], expected_kv)
+    first_pages = first.page_ids
+    cache.release(first)
+    assert cache.num_evictable_pages == 1          # the partly filled page is kept
+    seq = cache.add_sequence([7, 8, 9, 3])
+    assert seq.num_cached_tokens == 3
+    assert seq.page_ids[0] != first_pages[0]       # a copy: the original stays intact
+    cache.extend(seq, [3])
+    plan = cache.plan([seq])
+    write_step(cache, plan, [seq], expected_kv)
+    assert_gathered(cache, plan, [seq], expected_kv)
+    assert cache.stats.prefix_hit_tokens == 3
+
+
+def test_a_prompt_leaving_a_full_page_midway_reuses_its_head(expected_kv):
+    cache = make_cache(page_size=4)
+    first, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9], expected_kv)
+    first_pages = first.page_ids
+    cache.release(first)
+    seq = cache.add_sequence([1, 2, 3, 4, 5, 6, 0, 0, 0])
+    assert seq.num_cached_tokens == 6               # one whole page, then 2 of the next
+    assert seq.page_ids[0] == first_pages[0]        # whole pages are shared
+    assert seq.page_ids[1] != first_pages[1]
+    cache.extend(seq, [0, 0, 0])
+    plan = cache.plan([seq])
+    write_step(cache, plan, [seq], expected_kv)
+    assert_gathered(cache, plan, [seq], expected_kv)
+    again = cache.add_sequence([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    plan = cache.plan([again])
+    assert_gathered(cache, plan, [again], expected_kv)   # the original page is unchanged
+
+
+def test_partial_reuse_respects_salts_and_the_last_token(expected_kv):
+    cache = make_cache(page_size=16)
+    first, _ = run_prompt(cache, [5, 6, 7], expected_kv)
+    cache.release(first)
+    assert cache.add_sequence([5, 6, 7, 8], salt="other").num_cached_tokens == 0
+    assert cache.add_sequence([5, 6, 7]).num_cached_tokens == 2
+    assert cache.add_sequence([5]).num_cached_tokens == 0
+
+
+def test_partial_reuse_without_a_free_page_falls_back_to_whole_pages(expected_kv):
+    cache = make_cache(num_pages=2, page_size=4)
+    first, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6], expected_kv)
+    cache.release(first)                            # page 0 indexed, page 1 partial
+    holder = cache.add_sequence([9])
+    cache.extend(holder, [9])                       # takes a page: only the two cached left
+    seq = cache.add_sequence([1, 2, 3, 4, 5, 9, 9])
+    assert seq.num_cached_tokens in (4, 5)          # the copy needs a page: it may evict
+    cache.check_invariants()
+
+
+def test_partial_reuse_can_be_turned_off(expected_kv):
+    cache = make_cache(page_size=16, partial_page_reuse=False)
+    first, _ = run_prompt(cache, [7, 8, 9, 1, 2], expected_kv)
+    cache.release(first)
+    assert cache.num_evictable_pages == 0
+    assert cache.add_sequence([7, 8, 9, 3]).num_cached_tokens == 0
 
 
 # ------------------------------------------------------------ plans
@@ -571,7 +636,7 @@ def test_properties_and_repr():
 
 
 def test_stats(expected_kv):
-    cache = make_cache(num_pages=10, page_size=2)
+    cache = make_cache(num_pages=10, page_size=2, partial_page_reuse=False)
     s = cache.stats
     assert (s.num_pages, s.pages_used, s.pages_free, s.pages_evictable, s.num_sequences,
             s.prefix_hit_tokens, s.prefix_query_tokens, s.prefix_hit_rate) == (

@@ -156,7 +156,7 @@ def test_flaw5_alloc_n_evicts_nothing_when_it_fails(expected_kv):
     assert cache.lookup_prefix([1, 2, 3, 4, 5]) == pages  # prefix entries intact
     assert cache.pool.num_evictable == 2
     # Same for the sequence API.
-    kv = make_cache(num_pages=4)
+    kv = make_cache(num_pages=4, partial_page_reuse=False)
     old = prefill(kv, [1, 2, 3, 4, 5], expected_kv)
     kv.release(old)
     seq = kv.add_sequence([9])

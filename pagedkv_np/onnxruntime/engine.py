@@ -139,6 +139,9 @@ class OrtDecoder:
         Of the :class:`~pagedkv_np.PagedKVCache`.
     enable_prefix_caching : bool
         When False, every prompt is computed in full (for comparison).
+    partial_page_reuse : bool
+        Also reuse a shared prefix that ends inside a page (see
+        :class:`~pagedkv_np.PagedKVCache`).
     family : {"auto", "optimum", "gqa"}
     num_kv_heads, head_dim : int, optional
         For models whose past inputs leave these dimensions symbolic.
@@ -157,7 +160,8 @@ class OrtDecoder:
     def __init__(self, model: Any, *, num_pages: int = 512, page_size: int = 16,
                  max_batch_size: int = 8, eos_token_id: Any = None, backend: str = "auto",
                  layout: str = "NHD", enable_prefix_caching: bool = True,
-                 family: str = "auto", num_kv_heads: int | None = None,
+                 partial_page_reuse: bool = True, family: str = "auto",
+                 num_kv_heads: int | None = None,
                  head_dim: int | None = None, session_options: Any = None,
                  providers: list | None = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
@@ -173,7 +177,8 @@ class OrtDecoder:
         io = self.io
         self.cache = PagedKVCache(io.num_layers, num_pages, page_size, io.num_kv_heads,
                                   io.head_dim, dtype=io.dtype, layout=layout, backend=backend,
-                                  enable_prefix_caching=enable_prefix_caching)
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  partial_page_reuse=partial_page_reuse)
         self._runner = make_runner(self.session, io)
         self._lock = threading.Lock()          # guards _incoming, _requests
         self._step_lock = threading.RLock()    # serialises steps
