@@ -102,14 +102,14 @@ class PagedCache:
         :class:`PageStateError` and changes nothing (the seed's count went
         negative and the page was lost).
         """
-        self._pool.free([self._pool._check_id(idx, "idx")])
+        self._pool.free([self._pool._check_id(idx, "idx")], "idx")
 
     def inc_ref(self, idx: int) -> None:
         """Add a reference; an evictable page is taken out of the LRU.
 
         Differs from the seed: a free page raises (its contents are garbage).
         """
-        self._pool.inc_ref([self._pool._check_id(idx, "idx")])
+        self._pool.inc_ref([self._pool._check_id(idx, "idx")], "idx")
 
     # ---------------------------------------------------------- prefix index
     def record_page(self, page_idx: int, token_ids: Any, logical_page_idx: int) -> None:
@@ -210,8 +210,11 @@ class PagedCache:
             if page_table.shape[1] else np.full(pos.shape, -1, np.int64)
         if (valid & (pages < 0)).any():
             raise PageIdError("Invalid page_table: a token would be written to page -1")
-        slots = np.where(valid, pages * self.page_size + pos % self.page_size, -1)
-        return slots.reshape(-1).astype(np.int32)
+        slots = np.where(valid, pages * self.page_size + pos % self.page_size, -1).reshape(-1)
+        used = slots[slots >= 0]
+        if np.unique(used).size != used.size:
+            raise PageIdError("Invalid page_table: two tokens would be written to the same slot")
+        return slots.astype(np.int32)
 
     def write(self, layer_id: int, page_table: Any, start_pos: Any, k: Any, v: Any,
               lengths: Any = None) -> None:
@@ -258,6 +261,10 @@ class PagedCache:
             if lens.shape != (table.shape[0],):
                 raise ShapeError(f"Invalid shape of seq_lens: expected [{table.shape[0]}], "
                                  f"got {list(lens.shape)}")
+            limit = table.shape[1] * self.page_size
+            if lens.size and (int(lens.min()) < 0 or int(lens.max()) > limit):
+                raise ShapeError(f"Invalid seq_lens: expected 0 <= len <= {limit} "
+                                 "(page_table columns * page_size)")
             lens = lens.astype(np.int32)
         return self._backend.gather(self._store.k, self._store.v, layer_id, table, lens,
                                     layout=StoreLayout.NHD, out_layout=OutputLayout.BTHD)

@@ -122,7 +122,7 @@ class PagePool:
             pages.append(page_id)
         return pages
 
-    def free(self, page_ids: Iterable[int]) -> None:
+    def free(self, page_ids: Iterable[int], name: str = "page_ids") -> None:
         """Drop one reference per listed page (a page may be listed twice).
 
         A page whose count reaches 0 becomes EVICTABLE (most recently used
@@ -136,12 +136,12 @@ class PagePool:
             An id is out of range, or a page would be freed more times than
             it is referenced (double free); nothing changed.
         """
-        page_ids = self._check_ids(page_ids, "page_ids")
+        page_ids = self._check_ids(page_ids, name)
         counts = Counter(page_ids) if len(page_ids) > 1 else {p: 1 for p in page_ids}
         for page_id, times in counts.items():
             if self._ref[page_id] < times:
                 raise PageStateError(
-                    f"Invalid page_ids: page {page_id} is {_STATE_NAMES[self._state[page_id]]} "
+                    f"Invalid {name}: page {page_id} is {_STATE_NAMES[self._state[page_id]]} "
                     f"with ref count {self._ref[page_id]} and cannot be freed {times} time(s) "
                     "(double free?)")
         ref, cached = self._ref, self._cached
@@ -155,7 +155,7 @@ class PagePool:
                     self._state[page_id] = FREE
                     self._free.append(page_id)
 
-    def inc_ref(self, page_ids: Iterable[int]) -> None:
+    def inc_ref(self, page_ids: Iterable[int], name: str = "page_ids") -> None:
         """Add one reference per listed page; an evictable page is revived.
 
         Raises
@@ -164,11 +164,11 @@ class PagePool:
             An id is out of range or a page is FREE (its contents are not
             worth keeping); nothing changed.
         """
-        page_ids = self._check_ids(page_ids, "page_ids")
+        page_ids = self._check_ids(page_ids, name)
         for page_id in page_ids:
             if self._state[page_id] == FREE:
                 raise PageStateError(
-                    f"Invalid page_ids: page {page_id} is free; allocate it instead")
+                    f"Invalid {name}: page {page_id} is free; allocate it instead")
         for page_id in page_ids:
             if self._state[page_id] == EVICTABLE:
                 self._lru_unlink(page_id)

@@ -33,6 +33,7 @@ less.
 from __future__ import annotations
 
 import hashlib
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -40,7 +41,7 @@ from typing import Callable
 import numpy as np
 
 from .errors import ConfigError, DTypeError
-from .layout import check_positive_int
+from .layout import check_nonneg_int, check_positive_int
 
 __all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
 
@@ -104,6 +105,8 @@ class PrefixIndex:
         if not isinstance(secret, (bytes, bytearray)) or not 1 <= len(secret) <= 64:
             raise ConfigError("Invalid secret: expected 1 to 64 bytes")
         self.secret = bytes(secret)
+        if hash_fn is not None and not callable(hash_fn):
+            raise DTypeError(f"Invalid hash_fn: expected a callable, got {type(hash_fn).__name__}")
         self._hash = hash_fn or blake2b_page_hash
         self._by_hash: dict[bytes, int] = {}
         self._entries: dict[int, _Entry] = {}
@@ -149,6 +152,11 @@ class PrefixIndex:
         page_ids, digests : lists
             The pages hit, in order, and their hashes.
         """
+        if not isinstance(token_bytes, (bytes, bytearray, memoryview)):
+            raise DTypeError(f"Invalid token_bytes: expected bytes of int64 token ids, "
+                             f"got {type(token_bytes).__name__}")
+        num_tokens = check_nonneg_int(num_tokens, "num_tokens")
+        max_pages = check_nonneg_int(max_pages, "max_pages")
         digest, parent = self.root(salt)
         step = 8 * self.page_size
         pages: list[int] = []
@@ -178,6 +186,8 @@ class PrefixIndex:
         Nothing changes (and False is returned) when another page already
         holds this hash: the first copy of a prefix stays canonical.
         """
+        if isinstance(page_id, bool) or not isinstance(page_id, numbers.Integral):
+            raise DTypeError(f"Invalid page_id: expected an integer, got {type(page_id).__name__}")
         if len(tokens) != 8 * self.page_size:
             raise ConfigError("Invalid tokens: only full pages can be indexed")
         current = self._by_hash.get(digest)

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ConfigError
+from .backends.base import Backend
+from .errors import ConfigError, DTypeError
 from .layout import StoreLayout, check_positive_int, resolve_dtype, store_shape
 
 __all__ = ["KVStore"]
@@ -71,6 +72,9 @@ class KVStore:
         if self.num_pages > np.iinfo(np.int32).max // self.page_size:
             raise ConfigError(
                 "Invalid num_pages: num_pages * page_size must fit in int32 slot ids")
+        if not isinstance(backend, Backend):
+            raise DTypeError(f"Invalid backend: expected a Backend (see get_backend), "
+                             f"got {type(backend).__name__}")
         self.shape = store_shape(self.layout, self.num_layers, self.num_pages,
                                  self.page_size, self.num_kv_heads, self.head_dim)
         self.k = backend.zeros(self.shape, self.dtype)

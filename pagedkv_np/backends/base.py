@@ -24,11 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, PageIdError, PageStateError, ShapeError
-from ..layout import OutputLayout, StoreLayout, check_array, describe
+from ..layout import SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, describe
 
 __all__ = ["Backend", "INDEX_DTYPE"]
 
 INDEX_DTYPE = np.dtype(np.int32)
+_STORE_DTYPES = frozenset(SUPPORTED_DTYPES.values())
 
 
 def _check_layer(layer: Any, num_layers: int) -> int:
@@ -126,12 +127,22 @@ class Backend:
         """``x`` as a host NumPy array."""
         return np.asarray(x)
 
+    @staticmethod
+    def _may_share_memory(a: Any, b: Any) -> bool:
+        """Whether two arrays' memory ranges overlap (a cheap bounds test)."""
+        return np.may_share_memory(a, b)
+
     # ------------------------------------------------------------------ checks
     def _check_store(self, k_cache: Any, v_cache: Any, layout: StoreLayout) -> tuple:
         check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
                     contiguous=True, writeable=True)
+        if k_cache.dtype not in _STORE_DTYPES:
+            raise DTypeError(f"Invalid dtype of k_cache: expected one of "
+                             f"{sorted(SUPPORTED_DTYPES)}, got {k_cache.dtype}")
         check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
                     array_type=self.array_types, contiguous=True, writeable=True)
+        if self._may_share_memory(k_cache, v_cache):
+            raise ShapeError("Invalid v_cache: it shares memory with k_cache")
         num_layers, num_pages, a, b, head_dim = k_cache.shape
         page_size, num_kv_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
         return num_layers, num_pages, page_size, num_kv_heads, head_dim
@@ -256,8 +267,11 @@ class Backend:
                 raise ShapeError(
                     f"Invalid shape of out[0]: T = {num_out} is shorter than "
                     f"max(seq_lens) = {max_len}")
-            if _shares_memory(k_out, v_out):
+            if self._may_share_memory(k_out, v_out):
                 raise ShapeError("Invalid out: out[0] and out[1] share memory")
+            for name, x in (("out[0]", k_out), ("out[1]", v_out)):
+                if self._may_share_memory(x, k_cache) or self._may_share_memory(x, v_cache):
+                    raise ShapeError(f"Invalid {name}: it shares memory with the store")
         if num_seqs:
             self._gather(k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
                          layout, out_layout)
@@ -313,7 +327,4 @@ def _out_shape(out_layout: OutputLayout, num_seqs: int, num_positions: int,
     return (num_seqs, num_kv_heads, num_positions, head_dim)
 
 
-def _shares_memory(a: Any, b: Any) -> bool:
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return np.shares_memory(a, b)
-    return False
+

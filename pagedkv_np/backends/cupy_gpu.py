@@ -278,6 +278,10 @@ class CupyBackend(Backend):
         if reason is not None:
             raise BackendUnavailable(f"backend 'cupy' is unavailable: {reason}")
 
+    @staticmethod
+    def _may_share_memory(a: Any, b: Any) -> bool:
+        return cupy.may_share_memory(a, b)
+
     # ----------------------------------------------------------- array helpers
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """A zero-filled ``cupy.ndarray`` on the current device."""
@@ -391,8 +395,6 @@ class CupyBackend(Backend):
         others = {"v_cache": v_cache}
         if isinstance(out, (tuple, list)) and len(out) == 2:
             out = (self._output(out[0], "out[0]"), self._output(out[1], "out[1]"))
-            if all(isinstance(x, cupy.ndarray) for x in out) and cupy.may_share_memory(*out):
-                raise ShapeError("Invalid out: out[0] and out[1] share memory")
             others.update({"out[0]": out[0], "out[1]": out[1]})
         with self._on_store_device(k_cache, others):
             return super().gather(k_cache, v_cache, layer, page_table, seq_lens, layout=layout,

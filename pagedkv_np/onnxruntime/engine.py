@@ -120,6 +120,13 @@ def _load(model: Any):
         raise UnsupportedModelError(f"{what} is not an ONNX model: {exc}") from exc
 
 
+def _make_rng(seed: Any) -> np.random.Generator:
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
+
+
 class OrtDecoder:
     """Generate with an ONNX decoder, continuous batching and prefix reuse.
 
@@ -236,6 +243,14 @@ class OrtDecoder:
             A token id is outside the vocabulary, or the prompt plus
             ``max_new_tokens`` cannot fit the pool (or the model's positions).
         """
+        req = self._new_request(prompt, max_new_tokens, eos_token_id, temperature, top_k,
+                                top_p, seed, salt)
+        self._enqueue([req])
+        return req.rid
+
+    def _new_request(self, prompt, max_new_tokens, eos_token_id, temperature, top_k, top_p,
+                     seed, salt) -> "_Request":
+        """A checked request, not yet queued (see :meth:`add_request`)."""
         tokens = as_tokens(prompt, "prompt", allow_empty=False)
         encode_salt(salt)
         max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
@@ -257,13 +272,15 @@ class OrtDecoder:
                 f"{max_new_tokens} exceed the model's {self.io.max_positions} positions")
         params = SamplingParams(temperature, top_k, top_p)
         eos = self.eos_token_ids if eos_token_id is None else self._parse_eos(eos_token_id)
-        rng = None if params.greedy else np.random.default_rng(seed)
+        rng = None if params.greedy else _make_rng(seed)
+        return _Request(-1, tokens, max_new_tokens, eos, params, rng, salt)
+
+    def _enqueue(self, reqs: list) -> None:
         with self._lock:
-            rid = next(self._ids)
-            req = _Request(rid, tokens, max_new_tokens, eos, params, rng, salt)
-            self._requests[rid] = req
-            self._incoming.append(req)
-        return rid
+            for req in reqs:
+                req.rid = next(self._ids)
+                self._requests[req.rid] = req
+                self._incoming.append(req)
 
     def is_finished(self, request_id: int) -> bool:
         return self._get(request_id).finished
@@ -341,13 +358,23 @@ class OrtDecoder:
         With sampling, request ``i`` is seeded from ``SeedSequence(seed).spawn``,
         so the result does not depend on batching or preemption.
         """
+        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+            raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
-        seeds = np.random.SeedSequence(seed).spawn(len(prompts)) if temperature else \
-            [None] * len(prompts)
+        if temperature:
+            try:
+                seeds = np.random.SeedSequence(seed).spawn(len(prompts))
+            except (TypeError, ValueError) as exc:
+                raise DTypeError(f"Invalid seed: {exc}") from None
+        else:
+            seeds = [None] * len(prompts)
+        # every prompt is checked before any is queued
+        reqs = [self._new_request(p, max_new_tokens, eos_token_id, temperature, top_k, top_p,
+                                  s, salt) for p, s in zip(prompts, seeds)]
         with self._step_lock:
-            rids = [self.add_request(p, max_new_tokens, eos_token_id=eos_token_id,
-                                     temperature=temperature, top_k=top_k, top_p=top_p,
-                                     seed=s, salt=salt) for p, s in zip(prompts, seeds)]
+            self._enqueue(reqs)
+            rids = [r.rid for r in reqs]
             while not all(self._requests[r].finished for r in rids):
                 self.step()
             return [self.pop_output(r) for r in rids]
