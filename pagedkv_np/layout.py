@@ -44,34 +44,30 @@ __all__ = [
 ]
 
 
-class StoreLayout(str, enum.Enum):
+class _Layout(str, enum.Enum):
+    @classmethod
+    def parse(cls, value, name: str = "layout"):
+        """The member named ``value`` (any case), else :class:`LayoutError`."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        choices = ", ".join(repr(m) for m in cls.__members__)
+        raise LayoutError(f"Invalid {name}: expected one of {choices}, got {value!r}")
+
+
+class StoreLayout(_Layout):
     """Axis order of the K/V store (see the module docstring)."""
 
     NHD = "NHD"
     HND = "HND"
 
-    @classmethod
-    def parse(cls, value: "str | StoreLayout", name: str = "layout") -> "StoreLayout":
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise LayoutError(f"Invalid {name}: expected one of 'NHD', 'HND', got {value!r}")
 
-
-class OutputLayout(str, enum.Enum):
+class OutputLayout(_Layout):
     """Axis order of gathered K/V (see the module docstring)."""
 
     BTHD = "BTHD"
     BHTD = "BHTD"
-
-    @classmethod
-    def parse(cls, value: "str | OutputLayout", name: str = "layout") -> "OutputLayout":
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str) and value.upper() in cls.__members__:
-            return cls[value.upper()]
-        raise LayoutError(f"Invalid {name}: expected one of 'BTHD', 'BHTD', got {value!r}")
 
 
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
