@@ -20,6 +20,8 @@ import pytest
 
 from pagedkv_np.layout import resolve_dtype
 
+from helpers import bits
+
 # Largest modulus whose integers are exact in each dtype (so values survive the
 # round trip through float16 and bfloat16 unchanged).
 _EXACT = {"float32": 1 << 20, "float16": 1 << 11, "bfloat16": 1 << 8}
@@ -53,11 +55,6 @@ def expected_kv_values(tokens, salt, layer: int, num_kv_heads: int, head_dim: in
         mixed ^= mixed >> np.uint64(29)
         v = (mixed % np.uint64(modulus)).astype(np.int64) - modulus // 2
     return k.astype(np.float32).astype(dtype), v.astype(np.float32).astype(dtype)
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    """``x`` as unsigned integers of its width, for bit-exact comparisons."""
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 def snapshot(obj) -> dict:

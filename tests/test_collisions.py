@@ -30,31 +30,10 @@ import pytest
 import pagedkv_np as pk
 from pagedkv_np.prefix import blake2b_page_hash
 
+from helpers import common_prefix, kv_rows
+
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 2
 _MASK = (1 << 64) - 1
-
-
-# ----------------------------------------------------------- K/V of a prefix
-def prefix_codes(tokens) -> np.ndarray:
-    """uint64 [n]: code[p] depends on tokens[0..p] (order and values)."""
-    h, out = 0xCBF29CE484222325, []
-    for t in tokens:
-        h = ((h ^ int(t)) * 0x100000001B3) & _MASK
-        h ^= h >> 29
-        out.append(h)
-    return np.array(out, dtype=np.uint64)
-
-
-def kv_rows(tokens, lo: int, hi: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [hi - lo, NUM_KV_HEADS, HEAD_DIM] K and V of positions lo..hi-1."""
-    codes = prefix_codes(list(tokens)[:hi])[lo:hi]
-    lanes = np.arange(NUM_KV_HEADS * HEAD_DIM, dtype=np.uint64).reshape(NUM_KV_HEADS, HEAD_DIM)
-    offset = np.uint64(layer * NUM_KV_HEADS * HEAD_DIM + 1)
-    grid = (codes[:, None, None] * np.uint64(0x9E3779B97F4A7C15)
-            + (lanes + offset) * np.uint64(0xBF58476D1CE4E5B9))
-    k = (grid >> np.uint64(32)).astype(np.uint32).view(np.float32)
-    v = (grid & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32)
-    return k, v
 
 
 # ---------------------------------------------------------- degenerate hashes
@@ -80,15 +59,6 @@ HASHES = {"constant": constant_hash, "two-bit": two_bit_hash,
 
 
 # ------------------------------------------------------------------ driver
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Driver:
     """Runs prompts through a cache and audits every hit and every gather.
 
@@ -129,13 +99,13 @@ class Driver:
         plan = cache.plan([seq])
         lo, hi = seq.num_cached_tokens, len(prompt)
         for layer in range(cache.num_layers):
-            cache.write(layer, plan, *kv_rows(prompt, lo, hi, layer))
+            cache.write(layer, plan, *kv_rows(prompt, lo, hi, layer, NUM_KV_HEADS, HEAD_DIM))
         for j in range(lo // ps, -(-hi // ps)):
             self.writer[seq.page_ids[j]] = tuple(prompt[:min(hi, (j + 1) * ps)])
         self.written.append(prompt)
         for layer in range(cache.num_layers):
             k, v = cache.gather(layer, plan, layout="BTHD")
-            want_k, want_v = kv_rows(prompt, 0, hi, layer)
+            want_k, want_v = kv_rows(prompt, 0, hi, layer, NUM_KV_HEADS, HEAD_DIM)
             if not (np.array_equal(k[0].view(np.uint32), want_k.view(np.uint32))
                     and np.array_equal(v[0].view(np.uint32), want_v.view(np.uint32))):
                 self.counts["wrong_data"] += 1

@@ -26,12 +26,6 @@ After every rule the invariants of every structure hold.
 
 from __future__ import annotations
 
-import collections
-import enum
-import hashlib
-import itertools
-import types
-
 import numpy as np
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
@@ -48,10 +42,12 @@ import pagedkv_np as pk
 from pagedkv_np.errors import OutOfPages, PagedKVError
 from pagedkv_np.pool import PagePool
 
+import helpers
+from helpers import bits, deep_state, prefix_codes
+
 NUM_KV_HEADS, HEAD_DIM = 2, 3
 BACKENDS = [name for name in pk.available_backends() if name in ("numpy", "numba")]
 DTYPES = ["float32", "float16", "bfloat16"]
-_MASK = (1 << 64) - 1
 
 DOCUMENTS = [[(7 * d + 3 * i) % 11 for i in range(24)] for d in range(3)]
 VALID_SALTS = [None, "a", b"a", 1]
@@ -69,71 +65,9 @@ GARBAGE = [None, -1, 0, 1, 2**40, 1.5, "x", [], [[1]], np.array([1.0]), np.zeros
            np.array([-1], np.int32), True, object()]
 
 
-# ----------------------------------------------------------- K/V of a prefix
-def prefix_codes(tokens) -> np.ndarray:
-    """uint64 [n]: code[p] depends on tokens[0..p]."""
-    h, out = 0xCBF29CE484222325, []
-    for t in tokens:
-        h = ((h ^ int(t)) * 0x100000001B3) & _MASK
-        h ^= h >> 29
-        out.append(h)
-    return np.array(out, dtype=np.uint64)
-
-
 def kv_of(codes: np.ndarray, layer: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
     """[len(codes), NUM_KV_HEADS, HEAD_DIM] K and V of ``dtype`` (any bit pattern)."""
-    lanes = np.arange(NUM_KV_HEADS * HEAD_DIM, dtype=np.uint64).reshape(NUM_KV_HEADS, HEAD_DIM)
-    grid = (codes[:, None, None] * np.uint64(0x9E3779B97F4A7C15)
-            + (lanes + np.uint64(layer * 64 + 1)) * np.uint64(0xBF58476D1CE4E5B9))
-    if dtype.itemsize == 4:
-        k, v = (grid >> np.uint64(32)).astype(np.uint32), grid.astype(np.uint32)
-    else:
-        k, v = (grid >> np.uint64(48)).astype(np.uint16), grid.astype(np.uint16)
-    return k.view(dtype), v.view(dtype)
-
-
-def bits(x: np.ndarray) -> np.ndarray:
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
-
-
-# ------------------------------------------------------------------ states
-def deep_state(x, _stack: frozenset = frozenset()):
-    """A comparable copy of everything ``x`` holds (as in test_malformed.py):
-    pagedkv_np objects walked attribute by attribute, arrays by digest, locks
-    skipped, functions by name, foreign objects by identity."""
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
-        return x
-    if isinstance(x, (bytearray, memoryview)):
-        return bytes(x)
-    if isinstance(x, np.ndarray):
-        data = np.ascontiguousarray(x).view(np.uint8).tobytes()
-        return ("ndarray", x.dtype.str, x.shape, x.flags.writeable,
-                hashlib.sha256(data).hexdigest())
-    if isinstance(x, (np.generic, enum.Enum, itertools.count)):
-        return repr(x)
-    if isinstance(x, (list, tuple, collections.deque)):
-        return tuple(deep_state(v, _stack) for v in x)
-    if isinstance(x, dict):
-        return {repr(k): deep_state(v, _stack) for k, v in x.items()}
-    if isinstance(x, (set, frozenset)):
-        return tuple(sorted(map(repr, x)))
-    module = type(x).__module__ or ""
-    if module in ("_thread", "threading"):
-        return "lock"
-    if isinstance(x, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
-        return ("callable", getattr(x, "__qualname__", repr(x)))
-    if not module.startswith("pagedkv_np"):
-        return ("foreign", type(x).__name__, id(x))
-    if id(x) in _stack:
-        return ("cycle", type(x).__name__)
-    inner = _stack | {id(x)}
-    names = [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ())]
-    names += list(getattr(x, "__dict__", {}))
-    state = {"__type__": type(x).__name__}
-    for name in names:
-        if hasattr(x, name):
-            state[name] = deep_state(getattr(x, name), inner)
-    return state
+    return helpers.kv_of(codes, layer, NUM_KV_HEADS, HEAD_DIM, dtype)
 
 
 def _short(args: tuple) -> str:

@@ -27,39 +27,10 @@ from hypothesis import strategies as st
 import pagedkv_np as pk
 from pagedkv_np.prefix import encode_salt
 
+from helpers import common_prefix, kv_rows
+
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_PAGES = 2, 2, 2, 40
 SALTS = [None, "a", "b", b"a", 1, "1", b"1", ""]
-_MASK = (1 << 64) - 1
-
-
-def prefix_codes(tokens) -> np.ndarray:
-    """uint64 [n]: code[p] depends on tokens[0..p]."""
-    h, out = 0xCBF29CE484222325, []
-    for t in tokens:
-        h = ((h ^ int(t)) * 0x100000001B3) & _MASK
-        h ^= h >> 29
-        out.append(h)
-    return np.array(out, dtype=np.uint64)
-
-
-def kv_rows(tokens, lo: int, hi: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [hi - lo, NUM_KV_HEADS, HEAD_DIM]: K and V as a function of the prefix."""
-    codes = prefix_codes(list(tokens)[:hi])[lo:hi]
-    lanes = np.arange(NUM_KV_HEADS * HEAD_DIM, dtype=np.uint64).reshape(NUM_KV_HEADS, HEAD_DIM)
-    offset = np.uint64(layer * NUM_KV_HEADS * HEAD_DIM + 1)
-    grid = (codes[:, None, None] * np.uint64(0x9E3779B97F4A7C15)
-            + (lanes + offset) * np.uint64(0xBF58476D1CE4E5B9))
-    return ((grid >> np.uint64(32)).astype(np.uint32).view(np.float32),
-            (grid & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32))
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def replay(script, page_size: int, salt_of=lambda s: s, hash_fn=None) -> list[tuple]:
@@ -94,14 +65,14 @@ def replay(script, page_size: int, salt_of=lambda s: s, hash_fn=None) -> list[tu
         plan = cache.plan([seq])
         lo, hi = seq.num_cached_tokens, len(prompt)
         for layer in range(NUM_LAYERS):
-            cache.write(layer, plan, *kv_rows(prompt, lo, hi, layer))
+            cache.write(layer, plan, *kv_rows(prompt, lo, hi, layer, NUM_KV_HEADS, HEAD_DIM))
         for j in range(lo // page_size, -(-hi // page_size)):
             writer[seq.page_ids[j]] = (salt_bytes, tuple(prompt[:min(hi, (j + 1) * page_size)]))
         written.setdefault(salt_bytes, []).append(prompt)
         digest = hashlib.sha256()
         for layer in range(NUM_LAYERS):
             k, v = cache.gather(layer, plan, layout="BTHD")
-            want_k, want_v = kv_rows(prompt, 0, hi, layer)
+            want_k, want_v = kv_rows(prompt, 0, hi, layer, NUM_KV_HEADS, HEAD_DIM)
             assert np.array_equal(k[0].view(np.uint32), want_k.view(np.uint32))
             assert np.array_equal(v[0].view(np.uint32), want_v.view(np.uint32))
             digest.update(k.tobytes() + v.tobytes())

@@ -13,12 +13,7 @@ the pool, prefix index, K/V store and sequences are exactly as before.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import enum
-import hashlib
-import itertools
-import types
 from typing import Any, Callable
 
 import numpy as np
@@ -39,6 +34,8 @@ from pagedkv_np.errors import (
 )
 from pagedkv_np.pool import PagePool
 from pagedkv_np.prefix import PrefixIndex
+
+from helpers import deep_state
 
 try:
     from pagedkv_np.onnxruntime import OrtDecoder, RequestNotFound
@@ -189,50 +186,6 @@ class World:
 
 
 # ------------------------------------------------------------------ snapshot
-def deep_state(x, _stack: frozenset = frozenset()):
-    """A comparable copy of everything ``x`` holds.
-
-    Objects of pagedkv_np are walked attribute by attribute (slots and
-    ``__dict__``), so the snapshot follows the library's internals without
-    naming them; arrays are reduced to a digest of their bytes; locks are
-    skipped, functions kept by name and foreign objects (sessions, random
-    generators) by identity.
-    """
-    if x is None or isinstance(x, (bool, int, float, complex, str, bytes)):
-        return x
-    if isinstance(x, (bytearray, memoryview)):
-        return bytes(x)
-    if isinstance(x, np.ndarray):
-        data = np.ascontiguousarray(x).view(np.uint8).tobytes()
-        return ("ndarray", x.dtype.str, x.shape, x.flags.writeable,
-                hashlib.sha256(data).hexdigest())
-    if isinstance(x, (np.generic, enum.Enum, itertools.count)):
-        return repr(x)
-    if isinstance(x, (list, tuple, collections.deque)):
-        return tuple(deep_state(v, _stack) for v in x)
-    if isinstance(x, dict):
-        return {repr(k): deep_state(v, _stack) for k, v in x.items()}
-    if isinstance(x, (set, frozenset)):
-        return tuple(sorted(map(repr, x)))
-    module = type(x).__module__ or ""
-    if module in ("_thread", "threading"):
-        return "lock"
-    if isinstance(x, (types.FunctionType, types.MethodType, types.BuiltinFunctionType)):
-        return ("callable", getattr(x, "__qualname__", repr(x)))
-    if not module.startswith("pagedkv_np"):
-        return ("foreign", type(x).__name__, id(x))
-    if id(x) in _stack:
-        return ("cycle", type(x).__name__)
-    inner = _stack | {id(x)}
-    names = [n for c in type(x).__mro__ for n in getattr(c, "__slots__", ())]
-    names += list(getattr(x, "__dict__", {}))
-    state = {"__type__": type(x).__name__}
-    for name in names:
-        if hasattr(x, name):
-            state[name] = deep_state(getattr(x, name), inner)
-    return state
-
-
 def snapshot(world: World) -> dict:
     """Everything a failed call must leave untouched."""
     return {name: deep_state(getattr(world, name))

@@ -17,6 +17,17 @@ def cached_pool(num_pages, num_cached):
     return pool, pages
 
 
+def assert_rejected(method, arg, error, name):
+    """``method(arg)`` on a pool with 2 of 4 pages used raises ``error``
+    naming ``name``, and changes nothing."""
+    pool = PagePool(4)
+    pool.allocate(2)
+    before = snapshot(pool)
+    with pytest.raises(error, match=name):
+        getattr(pool, method)(arg)
+    assert snapshot(pool) == before
+
+
 def test_new_pool_is_all_free():
     pool = PagePool(5)
     assert (pool.num_pages, pool.num_free, pool.num_used, pool.num_evictable) == (5, 5, 0, 0)
@@ -185,12 +196,7 @@ def test_free_of_an_evictable_page_raises():
     ([0.0], DTypeError), ([True], DTypeError), (["0"], DTypeError), ([None], DTypeError),
     (0, DTypeError), ("01", DTypeError), (None, DTypeError)])
 def test_bad_page_ids_raise_and_change_nothing(method, ids, error):
-    pool = PagePool(4)
-    pool.allocate(2)
-    before = snapshot(pool)
-    with pytest.raises(error, match="page_ids"):
-        getattr(pool, method)(ids)
-    assert snapshot(pool) == before
+    assert_rejected(method, ids, error, "page_ids")
 
 
 @pytest.mark.parametrize("method", ["ref_count", "state", "is_cached", "touch", "mark_cached",
@@ -198,12 +204,7 @@ def test_bad_page_ids_raise_and_change_nothing(method, ids, error):
 @pytest.mark.parametrize("bad, error", [(4, PageIdError), (-1, PageIdError),
                                         (1.0, DTypeError), (False, DTypeError)])
 def test_bad_single_page_id_raises(method, bad, error):
-    pool = PagePool(4)
-    pool.allocate(2)
-    before = snapshot(pool)
-    with pytest.raises(error, match="page_id"):
-        getattr(pool, method)(bad)
-    assert snapshot(pool) == before
+    assert_rejected(method, bad, error, "page_id")
 
 
 def test_numpy_integer_ids_are_accepted():

@@ -12,9 +12,7 @@ from pagedkv_np import PagedCache, PagedKVCache
 from pagedkv_np.errors import OutOfPages, PageIdError, PageStateError
 from pagedkv_np.pool import EVICTABLE, PagePool
 
-
-def bits(x):
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+from helpers import bits
 
 
 def seed_page_hash(secret, parent, tokens):
@@ -211,8 +209,8 @@ def test_flaw7_gather_never_returns_uninitialised_memory():
     assert seed_api.bind([[0, 1]], total_len=None).gather(0)[0].shape[1] == 4
 
 
-class _Counted(list):
-    """A list that counts element accesses and refuses every O(n) operation."""
+class _Counting:
+    """Counts element reads and writes of a list or bytearray in ``counter[0]``."""
 
     def __init__(self, data, counter):
         super().__init__(data)
@@ -225,6 +223,10 @@ class _Counted(list):
     def __setitem__(self, i, v):
         self.counter[0] += 1
         super().__setitem__(i, v)
+
+
+class _Counted(_Counting, list):
+    """A list that counts element accesses and refuses every O(n) operation."""
 
     def append(self, x):
         self.counter[0] += 1
@@ -242,18 +244,8 @@ class _Counted(list):
     remove = index = insert = count = __contains__ = __iter__ = __reversed__ = _on
 
 
-class _CountedBytes(bytearray):
-    def __init__(self, data, counter):
-        super().__init__(data)
-        self.counter = counter
-
-    def __getitem__(self, i):
-        self.counter[0] += 1
-        return super().__getitem__(i)
-
-    def __setitem__(self, i, v):
-        self.counter[0] += 1
-        super().__setitem__(i, v)
+class _CountedBytes(_Counting, bytearray):
+    """A bytearray that counts element accesses and refuses every O(n) operation."""
 
     def _on(self, *args, **kwargs):
         raise AssertionError("an O(n) bytearray operation")

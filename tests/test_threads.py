@@ -33,37 +33,15 @@ import pytest
 
 import pagedkv_np as pk
 
+from helpers import kv_of, prefix_codes
+
 NUM_THREADS = 8
 OPS_PER_THREAD = 500
 NUM_LAYERS, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 2, 4, 2, 2
 MAX_TOKENS = 48
 MAX_OWN = 5
-_MASK = (1 << 64) - 1
 
 CPU_BACKENDS = [name for name in pk.available_backends() if name in ("numpy", "numba")]
-
-
-# ----------------------------------------------------------- K/V of a prefix
-def prefix_codes(tokens) -> np.ndarray:
-    """uint64 [n]: code[p] depends on tokens[0..p]."""
-    h, out = 0xCBF29CE484222325, []
-    for t in tokens:
-        h = ((h ^ int(t)) * 0x100000001B3) & _MASK
-        h ^= h >> 29
-        out.append(h)
-    return np.array(out, dtype=np.uint64)
-
-
-_LANES = np.arange(NUM_KV_HEADS * HEAD_DIM, dtype=np.uint64).reshape(NUM_KV_HEADS, HEAD_DIM)
-
-
-def kv_from_codes(codes: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
-    """float32 [len(codes), NUM_KV_HEADS, HEAD_DIM] K and V."""
-    offset = np.uint64(layer * NUM_KV_HEADS * HEAD_DIM + 1)
-    grid = (codes[:, None, None] * np.uint64(0x9E3779B97F4A7C15)
-            + (_LANES + offset) * np.uint64(0xBF58476D1CE4E5B9))
-    return ((grid >> np.uint64(32)).astype(np.uint32).view(np.float32),
-            (grid & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32))
 
 
 # ------------------------------------------------------------------ workers
@@ -88,14 +66,15 @@ class Worker:
             plan = cache.plan([seq for seq, _ in items])
             ctx = plan.context_lens
             for layer in range(NUM_LAYERS):
-                parts = [kv_from_codes(c[int(lo):], layer) for c, lo in zip(codes, ctx)]
+                parts = [kv_of(c[int(lo):], layer, NUM_KV_HEADS, HEAD_DIM)
+                         for c, lo in zip(codes, ctx)]
                 k = np.concatenate([p[0] for p in parts])
                 v = np.concatenate([p[1] for p in parts])
                 cache.write(layer, plan, k, v)
             gathered = [cache.gather(layer, plan) for layer in range(NUM_LAYERS)]
         for layer, (k, v) in enumerate(gathered):
             for b, c in enumerate(codes):
-                want_k, want_v = kv_from_codes(c, layer)
+                want_k, want_v = kv_of(c, layer, NUM_KV_HEADS, HEAD_DIM)
                 n = len(c)
                 assert int(plan.seq_lens[b]) == n
                 for name, got, want in (("K", k, want_k), ("V", v, want_v)):
@@ -228,7 +207,7 @@ def test_threads_stress(backend: str, discipline: str):
 def _write_prefix_kv(cache: pk.PagedKVCache, plan: pk.Plan, tokens: list[int]) -> None:
     codes = prefix_codes(tokens)[int(plan.context_lens[0]):]
     for layer in range(cache.num_layers):
-        cache.write(layer, plan, *kv_from_codes(codes, layer))
+        cache.write(layer, plan, *kv_of(codes, layer, NUM_KV_HEADS, HEAD_DIM))
 
 
 def _in_thread(fn) -> None:
@@ -258,7 +237,7 @@ def test_plan_stays_valid_while_another_thread_extends_its_own_sequence():
     _in_thread(lambda: cache.extend(b, [10]))    # another thread, another sequence
     _write_prefix_kv(cache, plan, mine)            # raises StalePlanError today
     k, _ = cache.gather(0, plan, layout="BTHD")
-    want_k, _ = kv_from_codes(prefix_codes(mine), 0)
+    want_k, _ = kv_of(prefix_codes(mine), 0, NUM_KV_HEADS, HEAD_DIM)
     assert np.array_equal(k[0].view(np.uint32), want_k.view(np.uint32))
 
 
