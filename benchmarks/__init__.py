@@ -1,0 +1,143 @@
+"""asv benchmarks of pagedkv_np, one file per module of the package.
+
+The suite imports only the public API of ``pagedkv_np`` and keeps its own
+timing and copy-baseline helpers here, so that comparing two commits never
+compares two versions of the measuring code.
+
+Setup and asv_runner: recent asv_runner versions re-run ``setup`` before
+every timed call (so that no call sees state left by the one before). The
+classes whose timed calls leave the data as they found it (data moves, an
+alloc+free pair, a lookup) therefore build their data once per process
+through :func:`memo` and hand the same objects back on every later
+``setup``; classes whose calls change state rebuild it in ``setup`` and set
+``number = 1``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+BACKENDS = ["numpy", "numba", "cupy"]
+DTYPES = ["float32", "float16"]
+PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
+
+_memo: dict[Any, Any] = {}
+
+
+def memo(key: Any, build: Callable[[], Any]) -> Any:
+    """``build()`` the first time ``key`` is asked for in this process, the
+    same object afterwards. Holds one entry: asv runs one parameter
+    combination per process, and big stores must not pile up."""
+    if key not in _memo:
+        _memo.clear()
+        _memo[key] = build()
+    return _memo[key]
+
+
+def backend_or_skip(name: str):
+    """The backend called ``name``; ``NotImplementedError`` (asv: skipped)
+    when it is unavailable here."""
+    from pagedkv_np import BackendUnavailable, get_backend
+
+    try:
+        return get_backend(name)
+    except BackendUnavailable as exc:
+        raise NotImplementedError(str(exc)) from None
+
+
+def is_host(backend) -> bool:
+    return all(issubclass(t, np.ndarray) for t in backend.array_types)
+
+
+def with_sync(backend, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` followed by a wait for a device backend's queued work."""
+    if is_host(backend):
+        return fn
+    sync = getattr(backend, "synchronize", None)
+    if sync is None:
+        import cupy
+
+        sync = cupy.cuda.get_current_stream().synchronize
+
+    def run():
+        fn()
+        sync()
+
+    return run
+
+
+def best_times(fns: list[Callable[[], Any]], repeat: int = 3,
+               min_time: float = 0.02) -> list[float]:
+    """Best seconds per call of each function, samples interleaved so that
+    an operation and its baseline see the same machine load."""
+    numbers, best = [], []
+    for fn in fns:
+        fn()  # warm-up
+        number = 1
+        while True:
+            start = time.perf_counter()
+            for _ in range(number):
+                fn()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_time or number >= 1 << 22:
+                break
+            number *= max(2, min(100, int(min_time * 1.2 / max(elapsed, 1e-9))))
+        numbers.append(number)
+        best.append(elapsed / number)
+    for _ in range(repeat - 1):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(numbers[i]):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - start) / numbers[i])
+    return best
+
+
+def _page_offset_array(nbytes: int, offset: int) -> np.ndarray:
+    buf = np.empty(nbytes + 8192, dtype=np.uint8)
+    start = (-buf.ctypes.data) % 4096 + offset
+    return buf[start:start + nbytes]
+
+
+def copy_fns(nbytes: int, backend=None) -> list[Callable[[], None]]:
+    """Plain copies that read ``nbytes / 2`` and write ``nbytes / 2``: one
+    and two host threads (NumPy releases the GIL while copying), or one
+    device copy for a device backend."""
+    half = max(nbytes // 2, 64)
+    if backend is not None and not is_host(backend):
+        src, dst = backend.zeros((half,), np.uint8), backend.zeros((half,), np.uint8)
+
+        def device_copy():
+            dst[...] = src
+
+        return [with_sync(backend, device_copy)]
+    # Half a page apart: glibc's memcpy on some AMD CPUs is 10x slower when
+    # dst lies just after src modulo 4096, as two fresh allocations do.
+    src, dst = _page_offset_array(half, 0), _page_offset_array(half, 2048)
+    src.fill(1)
+    dst.fill(2)
+    mid = half // 2 // 64 * 64
+    pool = ThreadPoolExecutor(max_workers=1)
+
+    def one_thread():
+        np.copyto(dst, src)
+
+    def two_threads():
+        done = pool.submit(np.copyto, dst[mid:], src[mid:])
+        np.copyto(dst[:mid], src[:mid])
+        done.result()
+
+    return [one_thread, two_threads]
+
+
+def bandwidth(run: Callable[[], Any], nbytes: int, backend=None) -> tuple[float, float]:
+    """(GB/s of ``run``, GB/s of the best plain copy of the same bytes),
+    both counting bytes read plus bytes written, measured side by side."""
+    copies = copy_fns(nbytes, backend)
+    times = best_times([run] + copies)
+    copied = 2 * max(nbytes // 2, 64)
+    return nbytes / times[0] / 1e9, copied / min(times[1:]) / 1e9
