@@ -49,7 +49,8 @@ from ..errors import ConfigError, DTypeError, PagedKVError
 from ..layout import check_positive_int
 from ..prefix import encode_salt
 from ..tokens import as_tokens
-from .model_io import UnsupportedModelError, discover, graph_facts, make_runner
+from .model_io import UnsupportedModelError, discover, graph_facts
+from .runners import make_runner
 from .sampling import SamplingParams, sample
 
 try:

@@ -1,4 +1,4 @@
-"""A decoder's interface: what it takes (discovery) and how to feed it (runners).
+"""A decoder's interface: what it takes and gives, read from the model.
 
 Two I/O families are supported (both take ``input_ids`` and
 ``attention_mask`` and return ``logits`` plus one ``present`` K and V per
@@ -22,20 +22,14 @@ The family is the ``gqa`` one when the graph holds a GroupQueryAttention node.
 Inputs and outputs are matched by name, never by position (builder models
 list all keys, then all values).
 
-A :class:`Runner` feeds one family: a prefill of one sequence after its
-cached past, and decode steps of a batch whose contiguous past it keeps
-between steps (:class:`OptimumRunner`: ``present`` becomes the next
-``past``; :class:`GqaRunner`: one past/present buffer per layer, shared
-through IOBinding). It knows nothing of pages: the engine hands it a
-``gather`` callback when the batch changes and writes the new K/V it
-returns into the cache.
+How each family is fed lives in :mod:`pagedkv_np.onnxruntime.runners`.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -47,12 +41,7 @@ except ImportError as exc:  # pragma: no cover - __init__ reports this first
     raise ImportError(
         "pagedkv_np.onnxruntime needs onnxruntime: pip install 'pagedkv-np[onnx]'") from exc
 
-__all__ = ["UnsupportedModelError", "ModelIO", "FAMILIES", "discover", "graph_facts",
-           "Runner", "OptimumRunner", "GqaRunner", "make_runner"]
-
-# gather(layer, out) -> (k, v): one layer's past K/V of the batch, [B, H, T, D]
-Gather = Callable[[int, "tuple[np.ndarray, np.ndarray] | None"],
-                  "tuple[np.ndarray, np.ndarray]"]
+__all__ = ["UnsupportedModelError", "ModelIO", "FAMILIES", "discover", "graph_facts"]
 
 FAMILIES = ("optimum", "gqa")
 
@@ -270,206 +259,3 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
         present_keys=tuple(present[i, "key"] for i in range(num_layers)),
         present_values=tuple(present[i, "value"] for i in range(num_layers)),
     )
-
-
-# ------------------------------------------------------------------ feeding
-
-
-class Runner:
-    """Feeds one model family; holds the decode batch's contiguous K/V.
-
-    Between :meth:`start_batch` calls the batch is fixed: each :meth:`decode`
-    feeds one token per sequence and keeps the grown past for the next one.
-    """
-
-    def __init__(self, session: Any, io: ModelIO) -> None:
-        self.session = session
-        self.io = io
-        self.capacity = 0
-        self._outputs = [io.logits, *io.present_keys, *io.present_values]
-
-    def _empty_past(self) -> np.ndarray:
-        return np.zeros((1, self.io.num_kv_heads, 0, self.io.head_dim), dtype=self.io.dtype)
-
-    def prefill(self, tokens: np.ndarray, num_past: int,
-                past: list[tuple[np.ndarray, np.ndarray]] | None):
-        """Run one sequence's new tokens after ``num_past`` cached ones.
-
-        Parameters
-        ----------
-        tokens : ndarray, shape [n], dtype int64
-        num_past : int
-        past : list of (k, v), optional
-            Per layer, shape [1, num_kv_heads, num_past, head_dim], C-contiguous;
-            None when ``num_past == 0``.
-
-        Returns
-        -------
-        logits : ndarray, shape [vocab_size]
-            Of the last token.
-        kv : list of (k, v)
-            Per layer, the new tokens' K/V, shape [n, num_kv_heads, head_dim] (views).
-        """
-        io, n = self.io, tokens.shape[0]
-        feeds = {"input_ids": tokens.astype(io.input_ids_dtype).reshape(1, n),
-                 "attention_mask": np.ones((1, num_past + n), dtype=io.attention_mask_dtype)}
-        if io.has_position_ids:
-            feeds["position_ids"] = np.arange(num_past, num_past + n,
-                                              dtype=io.position_ids_dtype).reshape(1, n)
-        for layer in range(io.num_layers):
-            k, v = past[layer] if past is not None else (self._empty_past(), self._empty_past())
-            feeds[io.past_keys[layer]] = k
-            feeds[io.past_values[layer]] = v
-        outs = self.session.run(self._outputs, feeds)
-        num_layers = io.num_layers
-        kv = [(outs[1 + i][0, :, num_past:].transpose(1, 0, 2),
-               outs[1 + num_layers + i][0, :, num_past:].transpose(1, 0, 2))
-              for i in range(num_layers)]
-        return outs[0][0, -1], kv
-
-    def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
-        """Take a new decode batch.
-
-        Parameters
-        ----------
-        gather : callable
-            ``gather(layer, out)`` returns the batch's cached K/V of ``layer``,
-            shape [B, num_kv_heads, T, head_dim] with ``T = max(lens)``, zero
-            past each length; with ``out=(k, v)`` (any ``T >= max(lens)``) it
-            fills those buffers.
-        lens : ndarray, shape [B], dtype int64
-            Cached tokens of each sequence.
-        capacity : int
-            Most positions any sequence will reach (a hint for preallocation).
-        """
-        raise NotImplementedError
-
-    def decode(self, tokens: np.ndarray, lens: np.ndarray):
-        """Feed one token per sequence of the batch.
-
-        Parameters
-        ----------
-        tokens : ndarray, shape [B], dtype int64
-        lens : ndarray, shape [B], dtype int64
-            Tokens cached before each fed token (its position).
-
-        Returns
-        -------
-        logits : ndarray, shape [B, vocab_size]
-        kv : list of (k, v)
-            Per layer, the fed tokens' K/V, shape [B, num_kv_heads, head_dim].
-        """
-        raise NotImplementedError
-
-    def needs_gather(self, lens: np.ndarray) -> bool:
-        """Whether the batch's buffers cannot take one more token at ``lens``."""
-        return False
-
-    def reset(self) -> None:
-        """Forget the decode batch (its buffers are dropped)."""
-
-
-class OptimumRunner(Runner):
-    """present (past + new, concatenated by the model) is the next step's past."""
-
-    def __init__(self, session, io) -> None:
-        super().__init__(session, io)
-        self.reset()
-
-    def reset(self) -> None:
-        self._past: list[tuple[np.ndarray, np.ndarray]] = []
-        self._mask = None
-
-    def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
-        # right padded with holes: sequence b holds positions [0, lens[b]); the
-        # mask hides [lens[b], max(lens)); new tokens are appended after max(lens)
-        self._past = [gather(layer, None) for layer in range(self.io.num_layers)]
-        width = int(self._past[0][0].shape[2])
-        self._mask = (np.arange(width)[None, :] < lens[:, None]).astype(
-            self.io.attention_mask_dtype)
-
-    def decode(self, tokens: np.ndarray, lens: np.ndarray):
-        io, b = self.io, tokens.shape[0]
-        mask = np.concatenate(
-            [self._mask, np.ones((b, 1), dtype=io.attention_mask_dtype)], axis=1)
-        feeds = {"input_ids": tokens.astype(io.input_ids_dtype).reshape(b, 1),
-                 "attention_mask": mask}
-        if io.has_position_ids:
-            feeds["position_ids"] = lens.astype(io.position_ids_dtype).reshape(b, 1)
-        for layer, (k, v) in enumerate(self._past):
-            feeds[io.past_keys[layer]] = k
-            feeds[io.past_values[layer]] = v
-        outs = self.session.run(self._outputs, feeds)
-        n = io.num_layers
-        self._past = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
-        self._mask = mask
-        return outs[0][:, -1], [(k[:, :, -1], v[:, :, -1]) for k, v in self._past]
-
-
-class GqaRunner(Runner):
-    """Past and present share one preallocated buffer per layer (IOBinding)."""
-
-    def __init__(self, session, io) -> None:
-        super().__init__(session, io)
-        self.reset()
-
-    def reset(self) -> None:
-        self._bufs: list[tuple[np.ndarray, np.ndarray]] = []
-        self._binding = None
-        self._logits = None
-        self._inputs: tuple = ()
-        self.capacity = 0
-
-    def needs_gather(self, lens: np.ndarray) -> bool:
-        return int(lens.max()) + 1 > self.capacity
-
-    def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
-        io, b = self.io, lens.shape[0]
-        capacity = max(int(capacity), int(lens.max()) + 1)
-        shape = (b, io.num_kv_heads, capacity, io.head_dim)
-        binding = self.session.io_binding()
-        # logits first: with an unknown vocabulary it is get_outputs()[0]
-        if io.vocab_size is not None:
-            self._logits = np.empty((b, 1, io.vocab_size), dtype=io.logits_dtype)
-            binding.bind_output(io.logits, "cpu", 0, self._logits.dtype, self._logits.shape,
-                                self._logits.ctypes.data)
-        else:
-            self._logits = None
-            binding.bind_output(io.logits, "cpu")
-        bufs = []
-        for layer in range(io.num_layers):
-            k, v = np.empty(shape, io.dtype), np.empty(shape, io.dtype)
-            gather(layer, (k, v))   # zero past each length: the op reads only seqlens_k
-            for arr, src, dst in ((k, io.past_keys[layer], io.present_keys[layer]),
-                                  (v, io.past_values[layer], io.present_values[layer])):
-                value = ort.OrtValue.ortvalue_from_numpy(arr)
-                binding.bind_ortvalue_input(src, value)
-                binding.bind_ortvalue_output(dst, value)
-            bufs.append((k, v))
-        self._bufs, self._binding, self.capacity = bufs, binding, capacity
-
-    def decode(self, tokens: np.ndarray, lens: np.ndarray):
-        io, b, binding = self.io, tokens.shape[0], self._binding
-        # right padding: seqlens_k = sum(mask) - 1 = lens, the new token's slot
-        width = int(lens.max()) + 1
-        mask = (np.arange(width)[None, :] <= lens[:, None]).astype(io.attention_mask_dtype)
-        ids = tokens.astype(io.input_ids_dtype).reshape(b, 1)
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", mask)
-        inputs = (ids, mask)
-        if io.has_position_ids:
-            pos = lens.astype(io.position_ids_dtype).reshape(b, 1)
-            binding.bind_cpu_input("position_ids", pos)
-            inputs += (pos,)
-        self._inputs = inputs   # keep the bound arrays alive through the run
-        self.session.run_with_iobinding(binding)
-        logits = (self._logits if self._logits is not None
-                  else binding.get_outputs()[0].numpy())
-        rows = np.arange(b)
-        kv = [(k[rows, :, lens], v[rows, :, lens]) for k, v in self._bufs]
-        return logits[:, -1], kv
-
-
-def make_runner(session: Any, io: ModelIO) -> Runner:
-    """The runner for ``io.family``."""
-    return GqaRunner(session, io) if io.family == "gqa" else OptimumRunner(session, io)
