@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import numpy as np
-
 import onnxruntime as ort
 
 from .model_io import ModelIO
