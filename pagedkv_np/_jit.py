@@ -1,0 +1,172 @@
+"""Where compiled Numba kernels live on disk, and compiling them ahead of use.
+
+The Numba kernels compile lazily, once per dtype width, on first use (about a
+second each). Compiled code is cached on disk so that later processes start
+warm. The cache directory is, in order of precedence:
+
+1. ``$PAGEDKV_NUMBA_CACHE_DIR``,
+2. ``$NUMBA_CACHE_DIR`` (Numba's own setting, honoured when the user set it),
+3. ``$XDG_CACHE_HOME/pagedkv_np/numba``, else ``~/.cache/pagedkv_np/numba``.
+
+A directory is used only if it can be created and written to. When it cannot,
+the kernels compile without a disk cache and one :class:`RuntimeWarning` says
+so: Numba itself would make ``cache=True`` functions fail at import time when
+no cache directory is writable, and a read-only home must not break the
+package.
+
+Numba resolves the cache directory of a function when the function is
+decorated, from ``numba.config.CACHE_DIR``; :func:`jit_kernel` sets that value
+for the duration of the decoration only, so Numba code outside this package
+keeps its own setting. Numba's cache index does not tell apart compile flags,
+so kernels compiled with ``NUMBA_BOUNDSCHECK=1`` go to a ``boundscheck``
+subdirectory instead of overwriting (or being served) unchecked code.
+
+This module imports nothing of Numba until a function here is called.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable, Iterable
+
+__all__ = ["ENV_CACHE_DIR", "cache_dir", "resolve_cache_dir", "jit_kernel", "warmup"]
+
+ENV_CACHE_DIR = "PAGEDKV_NUMBA_CACHE_DIR"
+
+_LOCK = threading.Lock()
+_UNSET = object()
+_resolved: Any = _UNSET  # the directory chosen for this process, or None
+
+
+def _default_cache_dir() -> str | None:
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        home = os.path.expanduser("~")
+        if not home or home == "~":
+            return None
+        base = os.path.join(home, ".cache")
+    return os.path.join(base, "pagedkv_np", "numba")
+
+
+def _is_writable_dir(path: str) -> bool:
+    try:
+        os.makedirs(path, exist_ok=True)
+        # os.access is not trusted: it says yes to root on read-only mounts.
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError:
+        return False
+    return True
+
+
+def resolve_cache_dir() -> tuple[str | None, str]:
+    """The cache directory the environment asks for, and where that came from.
+
+    Returns
+    -------
+    path : str or None
+        The candidate directory (not yet checked for writability), or None when
+        neither an environment variable nor a home directory gives one.
+    source : str
+        ``"PAGEDKV_NUMBA_CACHE_DIR"``, ``"NUMBA_CACHE_DIR"`` or ``"default"``.
+    """
+    for var in (ENV_CACHE_DIR, "NUMBA_CACHE_DIR"):
+        value = os.environ.get(var)
+        if value:
+            return os.path.abspath(os.path.expanduser(value)), var
+    return _default_cache_dir(), "default"
+
+
+def cache_dir() -> str | None:
+    """The directory this process caches compiled kernels in, or None.
+
+    Decided once per process, on the first call; warns once (RuntimeWarning)
+    when the chosen directory is not writable.
+    """
+    global _resolved
+    with _LOCK:
+        if _resolved is _UNSET:
+            path, source = resolve_cache_dir()
+            if path is not None and _is_writable_dir(path):
+                _resolved = path
+            else:
+                _resolved = None
+                where = f"{path!r} (from {source})" if path else "no home directory"
+                warnings.warn(
+                    f"pagedkv_np: the Numba kernel cache directory {where} is not "
+                    f"writable; kernels will be compiled in every process. Set "
+                    f"{ENV_CACHE_DIR} to a writable directory to cache them.",
+                    RuntimeWarning, stacklevel=3)
+        return _resolved
+
+
+def jit_kernel(func: Callable | None = None, *, parallel: bool = False) -> Any:
+    """``numba.njit`` with this package's cache policy (see the module docstring).
+
+    Use as ``@jit_kernel`` or ``@jit_kernel(parallel=True)``.
+    """
+    if func is None:
+        return lambda f: jit_kernel(f, parallel=parallel)
+    import numba
+    from numba.core import config
+
+    path = cache_dir()
+    if path is None:
+        return numba.njit(cache=False, parallel=parallel)(func)
+    if config.BOUNDSCHECK:
+        path = os.path.join(path, "boundscheck")
+    with _LOCK:
+        saved = config.CACHE_DIR
+        config.CACHE_DIR = path
+        try:
+            return numba.njit(cache=True, parallel=parallel)(func)
+        finally:
+            config.CACHE_DIR = saved
+
+
+def warmup(
+    dtypes: Iterable[Any] = ("float32", "float16", "bfloat16"),
+    layouts: Iterable[str] = ("NHD", "HND"),
+    out_layouts: Iterable[str] = ("BTHD", "BHTD"),
+) -> float:
+    """Compile the Numba kernels ahead of use by running them on tiny arrays.
+
+    Covers the serial and the parallel variant of write (contiguous and
+    strided ``k``/``v``), gather and copy_pages. Compiled code goes to the disk
+    cache, so a later process that calls this starts in well under a second.
+
+    Parameters
+    ----------
+    dtypes : iterable of {"float32", "float16", "bfloat16"}
+        Store dtypes to compile for; float16 and bfloat16 share one kernel.
+    layouts : iterable of {"NHD", "HND"}
+    out_layouts : iterable of {"BTHD", "BHTD"}
+
+    Returns
+    -------
+    float
+        Seconds spent.
+
+    Raises
+    ------
+    BackendUnavailable
+        Numba cannot be imported.
+    DTypeError, LayoutError
+        An unknown dtype or layout.
+    """
+    from .backends import get_backend
+    from .layout import OutputLayout, StoreLayout, resolve_dtype
+
+    start = time.perf_counter()
+    backend = get_backend("numba")
+    dtypes = [resolve_dtype(d) for d in dtypes]
+    layouts = [StoreLayout.parse(x) for x in layouts]
+    out_layouts = [OutputLayout.parse(x, "out_layouts") for x in out_layouts]
+    for dtype in dtypes:
+        for layout in layouts:
+            for out_layout in out_layouts:
+                backend._warmup(dtype, layout, out_layout)
+    return time.perf_counter() - start
