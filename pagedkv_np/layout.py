@@ -151,6 +151,14 @@ def check_array(
     ``shape`` entries of ``None`` match any length. Raises :class:`ShapeError`
     or :class:`DTypeError` naming ``name``; returns nothing.
     """
+    # The common case, all as expected, costs a few attribute reads: this runs
+    # on every per-layer write and gather.
+    if isinstance(x, array_type) and (
+            x.shape == tuple(shape) if shape is not None else ndim is None or x.ndim == ndim) \
+            and (dtype is None or x.dtype == dtype) \
+            and (not contiguous or x.flags.c_contiguous) \
+            and (not writeable or getattr(x.flags, "writeable", True)):
+        return
     if not isinstance(x, array_type):
         raise DTypeError(f"Invalid {name}: expected an array, got {describe(x)}")
     if shape is not None:

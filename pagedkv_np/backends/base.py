@@ -143,9 +143,7 @@ class Backend:
                     array_type=self.array_types, contiguous=True, writeable=True)
         if self._may_share_memory(k_cache, v_cache):
             raise ShapeError("Invalid v_cache: it shares memory with k_cache")
-        num_layers, num_pages, a, b, head_dim = k_cache.shape
-        page_size, num_kv_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
-        return num_layers, num_pages, page_size, num_kv_heads, head_dim
+        return _store_dims(k_cache.shape, layout)
 
     @staticmethod
     def _check_index(x: Any, name: str, ndim: int) -> None:
@@ -163,6 +161,7 @@ class Backend:
         *,
         layout: "str | StoreLayout" = StoreLayout.NHD,
         check_indices: bool = True,
+        check_store: bool = True,
     ) -> None:
         """Write the K/V of ``N`` tokens into their slots of one layer.
 
@@ -178,11 +177,19 @@ class Backend:
             Any strides.
         layout : {"NHD", "HND"}
             Layout of the store.
+        check_indices, check_store : bool
+            Set to False only by a caller that checked the index arrays, or
+            owns a store it checked, already (the cache does, once per plan
+            and once per store).
         """
         layout = StoreLayout.parse(layout)
-        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_store(
-            k_cache, v_cache, layout)
-        layer = _check_layer(layer, num_layers)
+        if check_store:
+            dims = self._check_store(k_cache, v_cache, layout)
+        else:
+            dims = _store_dims(k_cache.shape, layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
+        if type(layer) is not int or not 0 <= layer < num_layers:
+            layer = _check_layer(layer, num_layers)
         self._check_index(slot_mapping, "slot_mapping", 1)
         n = slot_mapping.shape[0]
         for name, x in (("k", k), ("v", v)):
@@ -318,6 +325,13 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<pagedkv_np backend {self.name!r}>"
+
+
+def _store_dims(shape: tuple, layout: StoreLayout) -> tuple[int, int, int, int, int]:
+    """(num_layers, num_pages, page_size, num_kv_heads, head_dim) of a store."""
+    num_layers, num_pages, a, b, head_dim = shape
+    page_size, num_kv_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
+    return num_layers, num_pages, page_size, num_kv_heads, head_dim
 
 
 def _out_shape(out_layout: OutputLayout, num_seqs: int, num_positions: int,

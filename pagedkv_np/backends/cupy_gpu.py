@@ -377,13 +377,13 @@ class CupyBackend(Backend):
     # ------------------------------------------------------------- public ops
     def write(self, k_cache: Any, v_cache: Any, layer: int, slot_mapping: np.ndarray,
               k: Any, v: Any, *, layout: "str | StoreLayout" = StoreLayout.NHD,
-              check_indices: bool = True) -> None:
+              check_indices: bool = True, check_store: bool = True) -> None:
         """As :meth:`Backend.write`; ``k`` and ``v`` may also be host NumPy
         arrays (uploaded) or CUDA arrays of other libraries (used in place)."""
         k, v = self._input(k, "k"), self._input(v, "v")
         with self._on_store_device(k_cache, {"v_cache": v_cache, "k": k, "v": v}):
             super().write(k_cache, v_cache, layer, slot_mapping, k, v, layout=layout,
-                          check_indices=check_indices)
+                          check_indices=check_indices, check_store=check_store)
 
     def gather(self, k_cache: Any, v_cache: Any, layer: int, page_table: np.ndarray,
                seq_lens: np.ndarray, *, layout: "str | StoreLayout" = StoreLayout.NHD,

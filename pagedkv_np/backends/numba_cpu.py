@@ -51,9 +51,10 @@ __all__ = ["NumbaBackend", "PARALLEL_MIN_BYTES", "PARALLEL_MIN_THREADS", "STREAM
            "WRITE_STREAM_MIN_BYTES"]
 
 #: Bytes written (K plus V) from which the parallel kernels are used. At
-#: 256 KiB the serial kernels were faster (write 14 us against 22, gather 8
-#: against 13), at 512 KiB the parallel ones (write 31 against 37, gather 11
-#: against 16). A decode write of 32 tokens of 8 x 128 float32 is 256 KiB.
+#: 256 KiB the serial kernels were faster (write 14-21 us against 22-25,
+#: gather 8 against 11-13), at 512 KiB the parallel ones (write 31-32 us
+#: against 36-37, gather 10-11 against 16). A decode write of 32 tokens of
+#: 8 x 128 float32 is 256 KiB.
 PARALLEL_MIN_BYTES = 512 << 10
 
 #: Numba threads needed for the parallel kernels: with one, they would only
@@ -61,14 +62,14 @@ PARALLEL_MIN_BYTES = 512 << 10
 PARALLEL_MIN_THREADS = 2
 
 #: Bytes written (K plus V) from which gather and copy_pages bypass the
-#: cache: about half the L3. A 4 MiB gather took 66 us with ordinary stores
-#: and 193 us streaming, a 16 MiB one about the same either way (0.9 ms), a
-#: 32 MiB one 2.3 ms against 1.7 ms.
-STREAM_MIN_BYTES = 16 << 20
+#: cache: about the size of the L3. In parallel, a 4 MiB gather took 66-77 us
+#: with ordinary stores and 190-230 us streaming, a 16 MiB one 0.5-0.9 ms
+#: against 0.8-0.9 ms, a 32 MiB one 1.8-2.3 ms against 1.6-1.7 ms.
+STREAM_MIN_BYTES = 32 << 20
 
 #: The same for write: every size, since a write's destination is cold.
-#: Writing random cold slots, streaming took 5 us against 10 at 64 KiB and
-#: 14 against 44 at 256 KiB.
+#: Writing random cold slots, streaming took 5-6 us against 10 at 64 KiB and
+#: 14-21 us against 39-44 at 256 KiB.
 WRITE_STREAM_MIN_BYTES = 0
 
 _UINT16 = np.dtype(np.uint16)
