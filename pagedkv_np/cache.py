@@ -549,12 +549,12 @@ class PagedKVCache:
 
     def _plan_written(self, plan: Plan) -> None:
         """Every layer of ``plan`` is written: its full pages may be shared."""
-        context_lens = plan.context_lens
+        context_lens, seq_lens = plan.context_lens.tolist(), plan.seq_lens.tolist()
         for b, seq in enumerate(plan._seqs):
             # a hole (a discarded plan before this one) stops the written run
             if seq._released or seq._num_written < context_lens[b]:
                 continue
-            seq._num_written = max(seq._num_written, int(plan.seq_lens[b]))
+            seq._num_written = max(seq._num_written, seq_lens[b])
             if self.enable_prefix_caching:
                 self._index_full_pages(seq)
 

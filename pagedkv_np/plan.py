@@ -38,6 +38,8 @@ class Plan:
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_ids: tuple[int, ...]
+    context_lens: np.ndarray = field(repr=False, default=None)
+    """int32 [B]: tokens already in the cache before this step."""
     _owner: int = field(repr=False, default=0)
     _epoch: int = field(repr=False, default=0)
     _seqs: tuple = field(repr=False, default=())
@@ -78,10 +80,6 @@ class Plan:
         """int32 [B]: new tokens per sequence."""
         return np.diff(self.query_start_loc).astype(np.int32)
 
-    @property
-    def context_lens(self) -> np.ndarray:
-        """int32 [B]: tokens already in the cache before this step."""
-        return (self.seq_lens - self.new_lens).astype(np.int32)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -121,5 +119,5 @@ def build_plan(
     pos = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(ctx - qsl[:-1], new)
     slots = page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
     return Plan(_readonly(page_table), _readonly(lens), _readonly(slots.astype(np.int32)),
-                _readonly(qsl), tuple(seq_ids), owner, epoch, seqs, versions,
+                _readonly(qsl), tuple(seq_ids), _readonly(ctx), owner, epoch, seqs, versions,
                 bytearray(num_layers + 1))
