@@ -84,11 +84,12 @@ class _ModelClock:
 # ------------------------------------------------------- plain onnxruntime
 
 
-def plain_loop_step_times(model: bytes, family: str, config: DecoderConfig,
-                          prompts: np.ndarray, num_steps: int):
+def plain_loop(model: bytes, family: str, config: DecoderConfig, prompts: np.ndarray,
+               num_steps: int):
     """Decode ``num_steps`` tokens for a batch of equal-length prompts with a
-    contiguous past/present loop; returns each step's (wall, CPU) seconds and
-    the CPU seconds per step spent outside onnxruntime."""
+    contiguous past/present loop. A generator: set up, then yield once before
+    each step and once at the end; ``send`` nothing. Returns each step's
+    (wall, CPU) seconds and the CPU seconds per step spent outside onnxruntime."""
     sess = _session(model)
     b, n = prompts.shape
     h, d, layers = config.num_kv_heads, config.head_dim, config.num_layers
@@ -109,6 +110,7 @@ def plain_loop_step_times(model: bytes, family: str, config: DecoderConfig,
         past = outs[1:]
         mask = np.ones((b, n), np.int64)
         for step in range(num_steps):
+            yield
             t0 = _clock()
             mask = np.concatenate([mask, np.ones((b, 1), np.int64)], axis=1)
             feeds = {"input_ids": tokens.reshape(b, 1).astype(np.int64), "attention_mask": mask,
@@ -118,6 +120,7 @@ def plain_loop_step_times(model: bytes, family: str, config: DecoderConfig,
             past = outs[1:]
             tokens = outs[0][:, -1].argmax(-1)
             times.append(_since(t0))
+        yield
         return times, (sum(t[1] for t in times) - clock.seconds) / num_steps
     capacity = n + num_steps + 1
     binding = sess.io_binding()
@@ -133,6 +136,7 @@ def plain_loop_step_times(model: bytes, family: str, config: DecoderConfig,
     logits = np.empty((b, 1, config.vocab_size), np.float32)
     binding.bind_output("logits", "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
     for step in range(num_steps):
+        yield
         t0 = _clock()
         ids = tokens.reshape(b, 1).astype(np.int64)
         mask = np.ones((b, n + step + 1), np.int64)
@@ -141,16 +145,15 @@ def plain_loop_step_times(model: bytes, family: str, config: DecoderConfig,
         sess.run_with_iobinding(binding)
         tokens = logits[:, -1].argmax(-1)
         times.append(_since(t0))
+    yield
     return times, (sum(t[1] for t in times) - clock.seconds) / num_steps
 
 
 # ----------------------------------------------------------------- engine
 
 
-def engine_step_times(model: bytes, prompts: np.ndarray, num_steps: int,
-                      page_size: int) -> tuple[list[tuple[float, float]], float]:
-    """Steady-state ``step()`` times (wall, CPU) and the CPU seconds per step
-    spent outside onnxruntime (measured in the same run)."""
+def engine_loop(model: bytes, prompts: np.ndarray, num_steps: int, page_size: int):
+    """Steady-state ``OrtDecoder.step()``: a generator like :func:`plain_loop`."""
     b, n = prompts.shape
     num_pages = b * (-(-(n + num_steps + 2) // page_size)) + 8
     dec = OrtDecoder(model, num_pages=num_pages, page_size=page_size, max_batch_size=b,
@@ -165,30 +168,47 @@ def engine_step_times(model: bytes, prompts: np.ndarray, num_steps: int,
     clock = _ModelClock(dec.session)
     times = []
     for _ in range(num_steps):
+        yield
         t0 = _clock()
         dec.step()
         times.append(_since(t0))
     assert dec.stats["num_regathers"] == regathers   # steady state: no gather while timing
+    yield
     return times, (sum(t[1] for t in times) - clock.seconds) / num_steps
+
+
+def _interleaved(*loops):
+    """Run generator loops a step each in turn; returns their results. Both
+    sides then run under the same load, whatever the machine does meanwhile."""
+    for loop in loops:
+        next(loop)                    # set up
+    results = [None] * len(loops)
+    while any(r is None for r in results):
+        for i, loop in enumerate(loops):
+            if results[i] is None:
+                try:
+                    next(loop)
+                except StopIteration as stop:
+                    results[i] = stop.value
+    return results
 
 
 def bench_steps(family: str, args) -> None:
     model, config = _model(family, args)
     rng = np.random.default_rng(0)
-    print(f"\n[{family}] decode step, context {args.context} tokens, {args.steps} steps "
-          f"(median ms)")
+    print(f"\n[{family}] decode step, context {args.context} tokens, {args.steps} steps x "
+          f"{args.repeats}, steps of both sides interleaved (median ms)")
     print(f"{'batch':>6}{'plain ORT':>11}{'OrtDecoder':>11}{'overhead':>10}"
           f"{'CPU plain':>11}{'CPU engine':>11}{'overhead':>10}{'extra CPU':>11}")
     for b in (1, 8):
         prompts = rng.integers(0, config.vocab_size, (b, args.context))
         plain, eng, extra = [], [], []
-        for _ in range(args.repeats):   # interleave, so drifting load hits both
-            times, plain_outside = plain_loop_step_times(model, family, config, prompts,
-                                                         args.steps)
-            plain += times
-            times, engine_outside = engine_step_times(model, prompts, args.steps,
-                                                      args.page_size)
-            eng += times
+        for _ in range(args.repeats):
+            (ptimes, plain_outside), (etimes, engine_outside) = _interleaved(
+                plain_loop(model, family, config, prompts, args.steps),
+                engine_loop(model, prompts, args.steps, args.page_size))
+            plain += ptimes
+            eng += etimes
             extra.append(engine_outside - plain_outside)
         pw, ew = (statistics.median(t[0] for t in x) for x in (plain, eng))
         pc, ec = (statistics.median(t[1] for t in x) for x in (plain, eng))

@@ -244,7 +244,7 @@ def test_a_failed_model_call_leaves_a_usable_engine(variant, monkeypatch):
     def flaky(*a, **k):
         calls.append(1)
         if len(calls) == 2:
-            # this step's tokens were planned but their K/V is never written;
+            # this step's tokens were reserved but their K/V is never written;
             # PROMPTS[1] (38 tokens) fills its fifth page with this token
             raise RuntimeError("model failed")
         return real(*a, **k)
@@ -266,6 +266,65 @@ def test_a_failed_model_call_leaves_a_usable_engine(variant, monkeypatch):
     outs = dec.generate(longer, max_new_tokens=NEW - 10)
     assert outs == [r[10:] for r in refs]
     assert dec.stats["prefix_hit_tokens"] >= sum((len(p) - 1) // PAGE * PAGE for p in longer)
+
+
+@pytest.mark.parametrize("interval", [1, 5, 1000])
+def test_the_write_interval_changes_no_token_and_no_hit(variant, interval, monkeypatch):
+    from pagedkv_np.onnxruntime import engine
+    monkeypatch.setattr(engine, "WRITE_INTERVAL", interval)
+    dec = decoder(variant, max_batch_size=8)
+    refs = [reference(variant, p) for p in PROMPTS]
+    assert dec.generate(PROMPTS, max_new_tokens=NEW) == refs
+    # every fed token's K/V reached the pages, whenever it was written: a
+    # prompt that continues a finished request is served from the cache but
+    # for its last token, and gives that request's next token
+    longer = [p + r[:NEW - 1] for p, r in zip(PROMPTS[5:], refs[5:])]
+    before = dec.stats["prefix_hit_tokens"]
+    assert dec.generate(longer, max_new_tokens=1) == [[r[NEW - 1]] for r in refs[5:]]
+    assert dec.stats["prefix_hit_tokens"] - before == sum(len(p) - 1 for p in longer)
+    dec.cache.check_invariants()
+
+
+def test_an_aborted_request_leaves_its_decoded_tokens_cached(variant):
+    dec = decoder(variant)
+    rid = dec.add_request(PROMPTS[7], max_new_tokens=NEW)
+    for _ in range(6):          # a prefill, then 5 decode steps: fewer than WRITE_INTERVAL
+        dec.step()
+    dec.abort(rid)
+    out = dec.pop_output(rid)
+    assert out == reference(variant, PROMPTS[7])[:6]
+    prompt = PROMPTS[7] + out[:5] + [3]
+    assert dec.generate([prompt], max_new_tokens=NEW) == [reference(variant, prompt)]
+    assert dec.stats["prefix_hit_tokens"] == len(PROMPTS[7]) + 5
+
+
+def test_a_failed_page_write_leaves_a_usable_engine(variant, monkeypatch):
+    dec = decoder(variant)
+    real = dec.cache.write
+    calls = []
+
+    def flaky(layer, plan, k, v):
+        # the first write of decoded tokens (a plan of several sequences) fails
+        # after its first layer: that plan's K/V must never be indexed
+        if plan.num_seqs > 1 and layer == 1 and not calls:
+            calls.append(1)
+            raise RuntimeError("write failed")
+        return real(layer, plan, k, v)
+
+    monkeypatch.setattr(dec.cache, "write", flaky)
+    prompts = PROMPTS[:4]
+    rids = [dec.add_request(p, max_new_tokens=NEW) for p in prompts]
+    with pytest.raises(RuntimeError, match="write failed"):
+        while dec.has_unfinished_requests():
+            dec.step()
+    assert dec.stats["num_running"] == 0
+    dec.cache.check_invariants()
+    while dec.has_unfinished_requests():
+        dec.step()
+    refs = [reference(variant, p) for p in prompts]
+    assert [dec.pop_output(r) for r in rids] == refs
+    longer = [p + r[:10] for p, r in zip(prompts, refs)]
+    assert dec.generate(longer, max_new_tokens=NEW - 10) == [r[10:] for r in refs]
 
 
 @pytest.mark.parametrize("family", ["optimum", "gqa"])

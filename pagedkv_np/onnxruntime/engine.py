@@ -14,9 +14,12 @@ Why the data moves as it does:
 
 - The model needs contiguous past K/V. They are gathered from the pages only
   when the batch changes (a request joins, leaves or is preempted). While it
-  stays the same, the model's own buffers carry the past from step to step
-  and only the new token's K/V is written into the pages, so the pages are
-  always complete and a change costs one gather.
+  stays the same, the model's own buffers carry the past from step to step,
+  and the new tokens' K/V goes into the pages in one write per layer every
+  :data:`WRITE_INTERVAL` steps, and before anything reads or releases those
+  pages (a change of batch, a finished, preempted or aborted request). A
+  write per step would cost a plan and a call per layer each step, a few
+  percent of a small model's step on a small CPU.
 - optimum-family models concatenate past and new K/V into ``present``:
   ``present`` is the next step's ``past`` (no copy by the engine). The
   batch's past is gathered right padded with holes; ``attention_mask`` masks
@@ -61,11 +64,15 @@ except ImportError as exc:  # pragma: no cover - __init__ reports this first
         "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
     ) from exc
 
-__all__ = ["OrtDecoder", "RequestNotFound"]
+__all__ = ["OrtDecoder", "RequestNotFound", "WRITE_INTERVAL"]
 
 # The GQA decode buffer holds at most this many positions beyond the longest
 # sequence; a longer run is re-gathered into a larger buffer.
 _MAX_HEADROOM = 512
+
+#: Decode steps whose K/V the engine holds in the model's buffers before
+#: writing them into the pages together (sooner when the batch changes).
+WRITE_INTERVAL = 16
 
 class RequestNotFound(PagedKVError, KeyError):
     """No request with that id (never added, or its output was already taken)."""
@@ -196,6 +203,8 @@ class OrtDecoder:
         self._running: list[_Request] = []
         self._requests: dict[int, _Request] = {}
         self._batch_rids: tuple[int, ...] | None = None
+        self._batch: list[_Request] = []   # the requests in the runner's buffers
+        self._pending = 0                  # their decode steps not yet in the pages
         self._counters = dict.fromkeys(
             ("prefix_hit_tokens", "prefix_query_tokens", "num_prefills", "num_decode_steps",
              "num_generated_tokens", "num_preemptions", "num_regathers"), 0)
@@ -313,6 +322,7 @@ class OrtDecoder:
             if req in self._waiting:
                 self._waiting.remove(req)
             if req.seq is not None:
+                self._flush()
                 self._running.remove(req)
                 self.cache.release(req.seq)
                 req.seq = None
@@ -347,8 +357,7 @@ class OrtDecoder:
             if not preempted:
                 self._admit(events)
             if not self._running:
-                self._runner.reset()
-                self._batch_rids = None
+                self._forget_batch()
             return events
 
     def generate(self, prompts: Iterable[Any], max_new_tokens: int = 64, *,
@@ -408,6 +417,7 @@ class OrtDecoder:
 
     def _retire_finished(self) -> None:
         if any(r.finished for r in self._running):
+            self._flush()
             for req in self._running:
                 if req.finished:
                     self.cache.release(req.seq)
@@ -415,18 +425,45 @@ class OrtDecoder:
             self._running = [r for r in self._running if not r.finished]
 
     def _preempt(self, req: _Request) -> None:
+        self._flush()
         self._running.remove(req)
         self.cache.release(req.seq)   # its full pages stay cached for the recompute
         req.seq = None
         self._waiting.appendleft(req)
         self._counters["num_preemptions"] += 1
 
-    def _discard(self, plan, seqs: list) -> None:
-        """A model call failed after its plan: no page of it may be indexed."""
-        self.cache.discard(plan)
-        for seq in seqs:
-            if not seq.is_released:
-                self.cache.release(seq)
+    def _forget_batch(self) -> None:
+        self._runner.reset()
+        self._batch_rids = None
+        self._batch = []
+        self._pending = 0
+
+    def _requeue_running(self) -> None:
+        """After a failed model call or write: every running request goes back
+        to the queue, to be recomputed; K/V not yet written is never indexed."""
+        for req in reversed(self._running):
+            if req.seq is not None and not req.seq.is_released:
+                self.cache.release(req.seq)
+            req.seq = None
+            self._waiting.appendleft(req)
+        self._running = []
+        self._forget_batch()
+
+    def _flush(self) -> None:
+        """Write the K/V of the batch's pending decode steps into the pages."""
+        n = self._pending
+        if not n:
+            return
+        cache = self.cache
+        plan = cache.plan([r.seq for r in self._batch])   # n new tokens per sequence
+        try:
+            for layer, (k, v) in enumerate(self._runner.recent_kv(n)):
+                cache.write(layer, plan, k, v)
+        except BaseException:
+            cache.discard(plan)
+            self._requeue_running()
+            raise
+        self._pending = 0
 
     def _decode(self, events: dict) -> bool:
         """One token for every running request; returns whether any was preempted."""
@@ -446,36 +483,31 @@ class OrtDecoder:
         lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         rids = tuple(r.rid for r in reqs)
         if rids != self._batch_rids or self._runner.needs_gather(lens):
+            self._flush()
             gather_plan = cache.plan(seqs)   # no new tokens: exactly the cached past
             remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
             capacity = int(lens.max()) + 1 + min(remaining, _MAX_HEADROOM)
-            self._batch_rids = None
+            self._forget_batch()
             self._runner.start_batch(
                 lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out),
                 lens, capacity)
-            self._batch_rids = rids
+            self._batch_rids, self._batch = rids, list(reqs)
             self._counters["num_regathers"] += 1
         tokens = np.fromiter((r.generated[-1] for r in reqs), dtype=np.int64, count=len(reqs))
         for b, seq in enumerate(seqs):
             cache.extend(seq, tokens[b:b + 1])
-        plan = cache.plan(seqs)
         try:
-            logits, kv = self._runner.decode(tokens, lens)
-            for layer, (k, v) in enumerate(kv):
-                cache.write(layer, plan, k, v)
+            logits = self._runner.decode(tokens, lens)
         except BaseException:
-            self._discard(plan, seqs)
-            for r in reversed(reqs):
-                r.seq = None
-                self._waiting.appendleft(r)
-            self._running = []
-            self._runner.reset()
-            self._batch_rids = None
+            self._requeue_running()
             raise
+        self._pending += 1
         self._counters["num_decode_steps"] += 1
         greedy = logits.argmax(axis=-1)      # one call for the batch's greedy rows
         for b, r in enumerate(reqs):
             self._accept(r, logits[b], events, int(greedy[b]) if r.rng is None else None)
+        if self._pending >= WRITE_INTERVAL:
+            self._flush()
         self._retire_finished()
         return preempted
 
@@ -504,7 +536,8 @@ class OrtDecoder:
                 for layer, (k, v) in enumerate(kv):
                     cache.write(layer, plan, k, v)
             except BaseException:
-                self._discard(plan, [seq])
+                cache.discard(plan)       # nothing of this prefill gets indexed
+                cache.release(seq)
                 self._waiting.appendleft(req)
                 raise
             req.seq = seq

@@ -5,8 +5,8 @@ cached past, and decode steps of a batch whose contiguous past it keeps
 between steps (:class:`OptimumRunner`: ``present`` becomes the next
 ``past``; :class:`GqaRunner`: one past/present buffer per layer, shared
 through IOBinding). It knows nothing of pages: the engine hands it a
-``gather`` callback when the batch changes and writes the new K/V it
-returns into the cache.
+``gather`` callback when the batch changes, and takes the K/V of the
+latest decode steps (:meth:`Runner.recent_kv`) to write into the cache.
 
 See :mod:`pagedkv_np.onnxruntime.model_io` for the two families.
 """
@@ -96,7 +96,7 @@ class Runner:
         """
         raise NotImplementedError
 
-    def decode(self, tokens: np.ndarray, lens: np.ndarray):
+    def decode(self, tokens: np.ndarray, lens: np.ndarray) -> np.ndarray:
         """Feed one token per sequence of the batch.
 
         Parameters
@@ -108,8 +108,18 @@ class Runner:
         Returns
         -------
         logits : ndarray, shape [B, vocab_size]
-        kv : list of (k, v)
-            Per layer, the fed tokens' K/V, shape [B, num_kv_heads, head_dim].
+        """
+        raise NotImplementedError
+
+    def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The K/V of the tokens fed by the last ``n`` :meth:`decode` calls
+        (all since :meth:`start_batch`, at most).
+
+        Returns
+        -------
+        list of (k, v)
+            Per layer, shape [B * n, num_kv_heads, head_dim]: sequence 0's
+            ``n`` tokens in order, then sequence 1's, and so on.
         """
         raise NotImplementedError
 
@@ -155,7 +165,11 @@ class OptimumRunner(Runner):
         n = io.num_layers
         self._past = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
         self._mask = mask
-        return outs[0][:, -1], [(k[:, :, -1], v[:, :, -1]) for k, v in self._past]
+        return outs[0][:, -1]
+
+    def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        # the fed tokens are the last n columns of every row
+        return [(_rows_of(k[:, :, -n:]), _rows_of(v[:, :, -n:])) for k, v in self._past]
 
 
 class GqaRunner(Runner):
@@ -170,6 +184,7 @@ class GqaRunner(Runner):
         self._binding = None
         self._logits = None
         self._inputs: tuple = ()
+        self._next = None
         self.capacity = 0
 
     def needs_gather(self, lens: np.ndarray) -> bool:
@@ -215,11 +230,27 @@ class GqaRunner(Runner):
             inputs += (pos,)
         self._inputs = inputs   # keep the bound arrays alive through the run
         self.session.run_with_iobinding(binding)
+        self._next = lens + 1
         logits = (self._logits if self._logits is not None
                   else binding.get_outputs()[0].numpy())
-        rows = np.arange(b)
-        kv = [(k[rows, :, lens], v[rows, :, lens]) for k, v in self._bufs]
-        return logits[:, -1], kv
+        return logits[:, -1]
+
+    def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        # sequence b's fed tokens sit at its positions: [next[b] - n, next[b])
+        cols = self._next[:, None] + np.arange(-n, 0)
+        rows = np.arange(cols.shape[0])[:, None]
+        # advanced indices around a slice: the result is [B, n, H, D]
+        return [(_flat(k[rows, :, cols]), _flat(v[rows, :, cols])) for k, v in self._bufs]
+
+
+def _flat(x: np.ndarray) -> np.ndarray:
+    """[B, n, H, D] -> [B * n, H, D]."""
+    return x.reshape(x.shape[0] * x.shape[1], x.shape[2], x.shape[3])
+
+
+def _rows_of(x: np.ndarray) -> np.ndarray:
+    """[B, H, n, D] -> [B * n, H, D], sequence-major (a copy unless n == 1)."""
+    return _flat(x.transpose(0, 2, 1, 3))
 
 
 def make_runner(session: Any, io: ModelIO) -> Runner:
