@@ -30,8 +30,9 @@ from typing import Any, Iterable, Sequence as SequenceT
 import numpy as np
 
 from .backends import Backend, get_backend
+from .backends.base import _check_layer
 from .errors import ConfigError, DTypeError, OutOfPages, SequenceError, StalePlanError
-from .layout import OutputLayout, StoreLayout, check_nonneg_int
+from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
 from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
@@ -394,10 +395,11 @@ class PagedKVCache:
                 if seq.seq_id in seen:
                     raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
                 seen.add(seq.seq_id)
-            plan = build_plan([s._page_array() for s in seqs], [s._num_tokens for s in seqs],
+            plan = build_plan([s._page_ids for s in seqs], [s._num_tokens for s in seqs],
                               [s._num_computed for s in seqs], self.page_size,
                               [s.seq_id for s in seqs], self._owner, self._epoch,
-                              tuple(seqs), tuple(s._version for s in seqs), self.num_layers)
+                              tuple(seqs), tuple(s._version for s in seqs), self.num_layers,
+                              page_arrays=[s._page_array() for s in seqs])
             for seq in seqs:
                 seq._num_computed = seq._num_tokens
             return plan
@@ -415,10 +417,17 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
-            # the store was checked when it was made, the plan when it was built
-            self.backend.write(self.store.k, self.store.v, layer, plan.slot_mapping, k, v,
-                               layout=self.store.layout, check_indices=False,
-                               check_store=False)
+            # The store was checked when it was made and the plan when it was
+            # built: what is left to check is the layer and the data, and then
+            # the backend's kernel can be called directly.
+            store, backend = self.store, self.backend
+            if type(layer) is not int or not 0 <= layer < store.num_layers:
+                layer = _check_layer(layer, store.num_layers)
+            shape = (plan.slot_mapping.shape[0], store.num_kv_heads, store.head_dim)
+            check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
+            check_array(v, "v", shape=shape, dtype=store.dtype, array_type=backend.array_types)
+            if shape[0]:
+                backend._write(store.k, store.v, layer, plan.slot_mapping, k, v, store.layout)
             if plan._mark_written(layer):
                 self._plan_written(plan)
 

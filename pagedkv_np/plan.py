@@ -21,12 +21,13 @@ reuse it without checking again.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Plan", "build_plan"]
+__all__ = ["Plan", "build_plan", "LOOP_MAX_TOKENS"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,8 +88,17 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+#: Up to this many new tokens, slots are computed in a Python loop; above it,
+#: with array operations. A decode step's plan is built every step, and its
+#: few slots cost less one by one than the dozen small array calls would.
+LOOP_MAX_TOKENS = 128
+
+# Page tables of up to this many entries are filled from one flat list.
+_LIST_MAX_ENTRIES = 2048
+
+
 def build_plan(
-    page_arrays: Sequence[np.ndarray],
+    page_ids: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
     context_lens: Sequence[int],
     page_size: int,
@@ -98,26 +108,45 @@ def build_plan(
     seqs: tuple = (),
     versions: tuple = (),
     num_layers: int = 0,
+    page_arrays: Sequence[np.ndarray] | None = None,
 ) -> Plan:
     """Build a :class:`Plan` from each sequence's pages and lengths.
 
-    ``page_arrays[b]`` (int32 arrays or lists of ids) must cover ``seq_lens[b]`` tokens and
-    ``context_lens[b] <= seq_lens[b]``; the caller guarantees both.
+    ``page_ids[b]`` (a list of ids, or an int array) must cover
+    ``seq_lens[b]`` tokens and ``context_lens[b] <= seq_lens[b]``; the caller
+    guarantees both. ``page_arrays``, the same ids as int32 arrays, fills a
+    large page table faster when given.
     """
-    num_seqs = len(page_arrays)
-    max_pages = max((len(p) for p in page_arrays), default=0)
-    page_table = np.full((num_seqs, max_pages), -1, dtype=np.int32)
-    for b, pages in enumerate(page_arrays):
-        page_table[b, :len(pages)] = pages
+    num_seqs = len(page_ids)
+    max_pages = max(map(len, page_ids), default=0)
+    if page_arrays is None or num_seqs * max_pages <= _LIST_MAX_ENTRIES:
+        flat: list = []
+        for pages in page_ids:
+            flat += pages
+            flat += [-1] * (max_pages - len(pages))
+        page_table = np.array(flat, dtype=np.int32).reshape(num_seqs, max_pages)
+    else:
+        page_table = np.full((num_seqs, max_pages), -1, dtype=np.int32)
+        for b, pages in enumerate(page_arrays):
+            page_table[b, :len(pages)] = pages
     lens = np.array(seq_lens, dtype=np.int32).reshape(num_seqs)
     ctx = np.array(context_lens, dtype=np.int32).reshape(num_seqs)
-    new = lens - ctx
-    qsl = np.zeros(num_seqs + 1, dtype=np.int32)
-    np.cumsum(new, out=qsl[1:])
-    # position of each new token: its sequence's context length plus its rank
-    rows = np.repeat(np.arange(num_seqs), new)
-    pos = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(ctx - qsl[:-1], new)
-    slots = page_table[rows, pos // page_size].astype(np.int64) * page_size + pos % page_size
-    return Plan(_readonly(page_table), _readonly(lens), _readonly(slots.astype(np.int32)),
-                _readonly(qsl), tuple(seq_ids), _readonly(ctx), owner, epoch, seqs, versions,
+    if sum(seq_lens) - sum(context_lens) <= LOOP_MAX_TOKENS:
+        slots = np.array([pages[pos // page_size] * page_size + pos % page_size
+                          for pages, first, end in zip(page_ids, context_lens, seq_lens)
+                          for pos in range(first, end)], dtype=np.int32)
+        qsl = np.array(list(itertools.accumulate(
+            (end - first for first, end in zip(context_lens, seq_lens)), initial=0)),
+            dtype=np.int32)
+    else:
+        new = lens - ctx
+        qsl = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(new, out=qsl[1:])
+        # position of each new token: its sequence's context length plus its rank
+        row_of = np.repeat(np.arange(num_seqs), new)
+        pos = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat(ctx - qsl[:-1], new)
+        slots = (page_table[row_of, pos // page_size].astype(np.int64) * page_size
+                 + pos % page_size).astype(np.int32)
+    return Plan(_readonly(page_table), _readonly(lens), _readonly(slots), _readonly(qsl),
+                tuple(seq_ids), _readonly(ctx), owner, epoch, seqs, versions,
                 bytearray(num_layers + 1))
