@@ -10,7 +10,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = argparse.ArgumentParser(prog="pagedkv", description=__doc__)
     parser.add_argument("command", choices=["demo", "bench"], help="what to run")
-    args, rest = parser.parse_known_args(argv)
+    parser.add_argument("args", nargs=argparse.REMAINDER,
+                        help="the command's own options (see pagedkv COMMAND --help)")
+    args = parser.parse_args(argv)
+    rest = args.args
     if args.command == "demo":
         from .demo import main as run
     else:

@@ -217,3 +217,17 @@ def test_unavailable_backend_is_a_clear_error(monkeypatch, capsys):
 def test_copy_bandwidth_is_a_positive_figure():
     gbps, threads = copy_bandwidth(1 << 20, repeat=2, min_time=0.001)
     assert positive_finite(gbps) and threads in (1, 2)
+
+
+def test_the_command_passes_options_through(capsys):
+    from pagedkv_np.cli import main as cli
+    with pytest.raises(SystemExit) as exc:
+        cli(["bench", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "usage: pagedkv bench" in out and "--backend" in out
+    assert cli(["bench", "--quick", "--op", "alloc_free", "--json"]) == 0
+    assert '"op": "alloc_free"' in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        cli(["nonsense"])
+    assert exc.value.code == 2
