@@ -200,6 +200,7 @@ class PagedKVCache:
         self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
                              num_pages=num_pages, memory_bytes=memory_bytes,
                              dtype=dtype, layout=layout, backend=self.backend)
+        self._kernel_store = self.backend._kernel_views(self.store.k, self.store.v)
         self.pool = PagePool(self.store.num_pages)
         self.index = PrefixIndex(self.store.page_size, hash_secret, _hash_fn)
         self.pool.on_evict = self.index.remove
@@ -427,7 +428,7 @@ class PagedKVCache:
             check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
             check_array(v, "v", shape=shape, dtype=store.dtype, array_type=backend.array_types)
             if shape[0]:
-                backend._write(store.k, store.v, layer, plan.slot_mapping, k, v, store.layout)
+                backend._write(*self._kernel_store, layer, plan.slot_mapping, k, v, store.layout)
             if plan._mark_written(layer):
                 self._plan_written(plan)
 

@@ -311,7 +311,15 @@ class Backend:
             self._copy_pages(k_cache, v_cache, src_pages, dst_pages, layout)
 
     # ------------------------------------------------ implemented by backends
+    def _kernel_views(self, k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
+        """The store as :meth:`_write` takes it fastest (the arrays themselves
+        unless a backend says otherwise); its owner may compute this once and
+        pass it to every :meth:`_write`."""
+        return k_cache, v_cache
+
     def _write(self, k_cache, v_cache, layer, slot_mapping, k, v, layout):  # pragma: no cover
+        """Write every token whose slot is not -1. ``k_cache``/``v_cache`` are
+        the store or its :meth:`_kernel_views`."""
         raise NotImplementedError
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
