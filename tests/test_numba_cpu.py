@@ -164,6 +164,47 @@ def test_write_every_path_matches_reference(monkeypatch, force_path, dtype, layo
     assert bool(spy.calls[0][1] & kernels.STREAM) == stream
 
 
+@pytest.mark.parametrize("offset", [0, 2, 16])
+@pytest.mark.parametrize("row_bytes", kernels._CONSTANT_RUNS)
+@pytest.mark.parametrize("path", ["serial", "serial-stream", "parallel-stream"])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_of_the_compiled_sizes_match_reference(monkeypatch, force_path, dtype, path,
+                                                    row_bytes, offset):
+    # Rows of 128, 256 and 512 bytes have copies of their own, streaming ones
+    # with a fast path for 16-byte aligned destinations: outputs at offsets
+    # 0 and 16 take it, at 2 bytes the general loop; float32 rows at an
+    # offset of 2 bytes are not even element aligned.
+    rng = np.random.default_rng(row_bytes + offset)
+    head_dim = row_bytes // np.dtype(dtype).itemsize
+    page_size, num_heads, num_pages = 4, 2, 12
+    store = KVStore(1, page_size, num_heads, head_dim, num_pages=num_pages, dtype=dtype,
+                    backend=REF)
+    store.k[...] = random_bits(rng, store.shape, dtype)
+    store.v[...] = random_bits(rng, store.shape, dtype)
+    table = rng.permutation(num_pages).astype(np.int32).reshape(3, 4)
+    seq_lens = np.array([16, 5, 11], np.int32)
+    force_path(path)
+    for out_layout in ("BHTD", "BTHD"):
+        shape = (3, num_heads, 16, head_dim) if out_layout == "BHTD" else (3, 16, num_heads,
+                                                                           head_dim)
+        out = tuple(misaligned(shape, dtype, offset, random_bits(rng, shape, dtype))
+                    for _ in range(2))
+        NUMBA.gather(store.k, store.v, 0, table, seq_lens, out_layout=out_layout, out=out)
+        want = REF.gather(store.k, store.v, 0, table, seq_lens, out_layout=out_layout)
+        assert_same_bits(out[0], want[0])
+        assert_same_bits(out[1], want[1])
+    # writes of one head per token: runs of one row, into a store at an offset
+    slots = rng.permutation(num_pages * page_size)[:9].astype(np.int32)
+    k = random_bits(rng, (9, num_heads, head_dim), dtype)
+    v = random_bits(rng, (9, num_heads, head_dim), dtype)[:, ::-1]
+    targets = [misaligned(store.shape, dtype, offset, store.k) for _ in range(2)]
+    NUMBA.write(targets[0], targets[1], 0, slots, k, v)
+    want_k, want_v = store.k.copy(), store.k.copy()
+    REF.write(want_k, want_v, 0, slots, k, v)
+    assert_same_bits(targets[0], want_k)
+    assert_same_bits(targets[1], want_v)
+
+
 @pytest.mark.parametrize("path", list(PATHS))
 def test_copy_pages_every_path_matches_reference(monkeypatch, force_path, path):
     rng = np.random.default_rng(3)

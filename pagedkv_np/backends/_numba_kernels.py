@@ -193,14 +193,67 @@ def _build_copy_rows(builder, dst, dst_stride, src, src_stride, row_bytes, num_r
                           builder.icmp_signed("==", src_stride, row_bytes))
     run = builder.select(joined, builder.mul(row_bytes, num_rows), row_bytes)
     count = builder.select(joined, ir.Constant(intp, 1), num_rows)
+    # Runs of one head_dim row each, in sizes compiled as constants: their
+    # copies unroll into straight vector moves. Moving 16-bit rows (256 bytes
+    # for 128 elements) through the general loop cost as much time per row
+    # as float32 rows, twice the bytes.
+    fn = builder.function
+    done = fn.append_basic_block("rows_done")
+    general = fn.append_basic_block("rows_any_size")
+    switch = builder.switch(run, general)
+    for size in _CONSTANT_RUNS:
+        block = fn.append_basic_block(f"rows_of_{size}")
+        switch.add_case(ir.Constant(intp, size), block)
+        builder.position_at_end(block)
+        _copy_row_loop(builder, dst, dst_stride, src, src_stride, ir.Constant(intp, size),
+                       count, stream, constant=True)
+        builder.branch(done)
+    builder.position_at_end(general)
+    _copy_row_loop(builder, dst, dst_stride, src, src_stride, run, count, stream,
+                   constant=False)
+    builder.branch(done)
+    builder.position_at_end(done)
+
+
+# Row sizes in bytes (head_dim x itemsize) with copies of their own.
+_CONSTANT_RUNS = (128, 256, 512)
+
+
+def _copy_row_loop(builder, dst, dst_stride, src, src_stride, run, count, stream, constant):
+    intp = run.type
     with cgutils.for_range(builder, count) as loop:
         d = builder.gep(dst, [builder.mul(loop.index, dst_stride)])
         s = builder.gep(src, [builder.mul(loop.index, src_stride)])
         with builder.if_else(stream) as (streamed, plain):
             with streamed:
-                _stream_loop(builder, d, s, run, intp)
+                if constant:
+                    _stream_row(builder, d, s, run, intp)
+                else:
+                    _stream_loop(builder, d, s, run, intp)
             with plain:
                 cgutils.raw_memcpy(builder, d, s, run, 1)
+
+
+def _stream_row(builder, dst, src, nbytes, intp):
+    """:func:`_stream_loop` for a constant ``nbytes``, a multiple of 16: when
+    ``dst`` is 16-byte aligned (rows of an aligned array are), a fixed
+    sequence of streaming stores."""
+    aligned = builder.icmp_unsigned(
+        "==", builder.and_(builder.ptrtoint(dst, intp), ir.Constant(intp, _VEC_BYTES - 1)),
+        ir.Constant(intp, 0))
+    with builder.if_else(aligned, likely=True) as (fast, slow):
+        with fast:
+            vec = ir.VectorType(ir.IntType(8), _VEC_BYTES)
+            nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+            dvec = builder.bitcast(dst, vec.as_pointer())
+            svec = builder.bitcast(src, vec.as_pointer())
+            for i in range(nbytes.constant // _VEC_BYTES):
+                index = [ir.Constant(intp, i)]
+                value = builder.load(builder.gep(svec, index), align=1)
+                store = builder.store(value, builder.gep(dvec, index), align=_VEC_BYTES)
+                store.set_metadata("nontemporal", nontemporal)
+        with slow:
+            _stream_loop(builder, dst, src, nbytes, intp)
 
 
 def _build_zero(builder, dst, nbytes, stream):
@@ -404,6 +457,19 @@ def _num_blocks(k_cache, k_out, flags):
 
 
 @jit_kernel
+def _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
+                     num_blocks, page_size, lo, hi):
+    """Hint the CPU to fetch the K and V pages that blocks ``lo..hi-1`` read."""
+    for item in range(lo, hi):
+        seq = item // num_blocks
+        t0 = (item - seq * num_blocks) * page_size
+        if t0 < seq_lens[seq]:
+            src = layer_base + page_table[seq, t0 // page_size] * page_bytes
+            _prefetch(k_cache, src, page_bytes)
+            _prefetch(v_cache, src, page_bytes)
+
+
+@jit_kernel
 def _gather_blocks(k_cache, v_cache, k_out, v_out, layer, page_table, seq_lens, flags, lo, hi):
     """Fill blocks ``lo..hi-1`` of the outputs; block ``b * num_blocks + j`` is
     positions ``[j * page_size, (j + 1) * page_size)`` of sequence ``b``: the
@@ -427,8 +493,19 @@ def _gather_blocks(k_cache, v_cache, k_out, v_out, layer, page_table, seq_lens, 
     # head_dim go in the output's order, so that writes form one stream.
     joined_tokens = not hnd and not bhtd
     joined_positions = hnd and bhtd
+    # Rows read with a stride: each block's pages are fetched while the block
+    # before is copied, so that memory's latency overlaps the copy. (Fetching
+    # several blocks ahead, or copying head by head across several blocks,
+    # measured slower.)
+    strided = not joined_tokens and not joined_positions
+    if strided:
+        _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
+                         num_blocks, page_size, lo, min(lo + 1, hi))
     num_bad = 0
     for item in range(lo, hi):
+        if strided and item + 1 < hi:
+            _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
+                             num_blocks, page_size, item + 1, item + 2)
         seq = item // num_blocks
         t0 = (item - seq * num_blocks) * page_size
         t1 = min(t0 + page_size, num_positions)
@@ -453,8 +530,6 @@ def _gather_blocks(k_cache, v_cache, k_out, v_out, layer, page_table, seq_lens, 
             for which in range(2):
                 cache = k_cache if which == 0 else v_cache
                 out = k_out if which == 0 else v_out
-                if run == row:  # strided reads: fetch the page ahead of them
-                    _prefetch(cache, src0, page_bytes)
                 for o in range(num_outer):
                     if not _copy_rows(out, dst0 + o * d_out, d_in, cache, src0 + o * s_out,
                                       s_in, run, num_inner, stream):
