@@ -31,7 +31,8 @@ import numpy as np
 
 from .backends import Backend, get_backend
 from .backends.base import _check_layer
-from .errors import ConfigError, DTypeError, OutOfPages, SequenceError, StalePlanError
+from .errors import (ConfigError, DTypeError, OutOfPages, SequenceError, ShapeError,
+                     StalePlanError)
 from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
 from .plan import Plan, build_plan
 from .pool import PagePool
@@ -314,25 +315,64 @@ class PagedKVCache:
             n = len(new)
             if n == 0:
                 return
-            shared = self._last_page_shared(seq)
-            needed = (-(-(seq._num_tokens + n) // self.page_size) - len(seq._page_ids)
-                      + shared)
+            needed = self._pages_needed(seq, n)
             if needed > self.pool.num_available:
                 raise OutOfPages(needed, self.pool.num_available, f"extend by {n} token(s)")
-            pages = self.pool.allocate(needed) if needed else []
-            if shared:
-                src, dst = seq._page_ids[-1], pages.pop()
-                self.backend.copy_pages(self.store.k, self.store.v,
-                                        np.array([src], np.int32), np.array([dst], np.int32),
-                                        layout=self.layout, check_indices=False)
-                seq._page_ids[-1] = dst
-                seq._num_synced = min(seq._num_synced, len(seq._page_ids) - 1)
-                self.pool.free([src])
-            seq._page_ids.extend(pages)
-            seq._tokens += new.tobytes()
-            seq._num_tokens += n
-            seq._version += 1
+            self._extend(seq, new.tobytes(), n)
             self._epoch += 1
+
+    def extend_batch(self, seqs: SequenceT[Sequence], tokens: Any) -> None:
+        """Reserve one slot per sequence: ``tokens[i]`` after the tokens of
+        ``seqs[i]``, as a decode step does.
+
+        The same as :meth:`extend` of each sequence by its token, checked
+        once for the batch and all or nothing for it: on an error (such as
+        :class:`OutOfPages`) no sequence changes.
+        """
+        if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
+            raise DTypeError("Invalid seqs: expected a list of sequences")
+        new = as_tokens(tokens, "tokens")
+        if new.shape[0] != len(seqs):
+            raise ShapeError(f"Invalid shape of tokens: expected one token per sequence "
+                             f"[{len(seqs)}], got [{new.shape[0]}]")
+        with self._lock:
+            seen = set()
+            total = 0
+            for seq in seqs:
+                self._check_seq(seq, "seqs")
+                if seq.seq_id in seen:
+                    raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
+                seen.add(seq.seq_id)
+                total += self._pages_needed(seq, 1)
+            if total > self.pool.num_available:
+                raise OutOfPages(total, self.pool.num_available,
+                                 f"extend {len(seqs)} sequence(s) by a token each")
+            # the sum is an upper bound: forks of one sequence, listed
+            # together, copy their shared last page only until one of them
+            # holds it alone
+            raw = new.tobytes()
+            for i, seq in enumerate(seqs):
+                self._extend(seq, raw[8 * i:8 * i + 8], 1)
+            if seqs:
+                self._epoch += 1
+
+    def _extend(self, seq: Sequence, raw: bytes, n: int) -> None:
+        """Append ``n`` tokens (``raw``: their int64 bytes); the caller made
+        sure the pool has the pages."""
+        needed = self._pages_needed(seq, n)
+        pages = self.pool.allocate(needed) if needed else []
+        if self._last_page_shared(seq):
+            src, dst = seq._page_ids[-1], pages.pop()
+            self.backend.copy_pages(self.store.k, self.store.v,
+                                    np.array([src], np.int32), np.array([dst], np.int32),
+                                    layout=self.layout, check_indices=False)
+            seq._page_ids[-1] = dst
+            seq._num_synced = min(seq._num_synced, len(seq._page_ids) - 1)
+            self.pool.free([src])
+        seq._page_ids.extend(pages)
+        seq._tokens += raw
+        seq._num_tokens += n
+        seq._version += 1
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence with the same tokens, sharing every page by reference.

@@ -368,6 +368,89 @@ def test_extend_of_a_forked_sequence_out_of_pages_changes_nothing(expected_kv, s
     assert child.page_ids[1] == shared
 
 
+def test_extend_batch_equals_an_extend_per_sequence(expected_kv, state_of, same_state):
+    caches = [make_cache(num_pages=16, page_size=2) for _ in range(2)]
+    batches = []
+    for cache in caches:
+        a, _ = run_prompt(cache, [1, 2, 3], expected_kv)     # room left in its page
+        b, _ = run_prompt(cache, [4, 5, 6, 7], expected_kv)  # full pages
+        c = cache.fork(b)
+        batches.append([c, a, b])
+    caches[0].extend_batch(batches[0], np.array([11, 12, 13]))
+    for seq, tok in zip(batches[1], [11, 12, 13]):
+        caches[1].extend(seq, [tok])
+    # the caches differ in their hash keys only: compare what does not hash
+    views = [[(s.page_ids, s.num_tokens, s.num_computed_tokens, list(s.tokens)) for s in seqs]
+             for seqs in batches]
+    assert views[0] == views[1]
+    assert state_of(caches[0])["pool"] == state_of(caches[1])["pool"]
+    for cache, seqs in zip(caches, batches):
+        assert [s.tokens[-1] for s in seqs] == [11, 12, 13]
+        plan = cache.plan(seqs)
+        assert plan.new_lens.tolist() == [1, 1, 1]
+        write_step(cache, plan, seqs, expected_kv)
+        assert_gathered(cache, plan, seqs, expected_kv)
+        cache.check_invariants()
+
+
+def test_extend_batch_of_forks_sharing_a_partial_page(expected_kv):
+    cache = make_cache(num_pages=4, page_size=4)
+    parent, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)   # page 2 holds 1 token
+    child = cache.fork(parent)
+    # at most 2 pages for 2 copies; the second sequence then holds its page alone
+    cache.extend_batch([parent, child], [6, 7])
+    assert cache.num_free_pages == 1
+    assert parent.page_ids[1] != child.page_ids[1]
+    plan = cache.plan([parent, child])
+    write_step(cache, plan, [parent, child], expected_kv)
+    assert_gathered(cache, plan, [parent, child], expected_kv)
+    cache.check_invariants()
+
+
+def test_extend_batch_out_of_pages_changes_nothing(expected_kv, state_of, same_state):
+    cache = make_cache(num_pages=5, page_size=2)
+    seqs = [run_prompt(cache, [i, i + 1], expected_kv)[0] for i in (1, 5)]   # full pages
+    third, _ = run_prompt(cache, [7], expected_kv)
+    assert cache.num_free_pages == 2
+    cache.extend(third, [8])
+    before = state_of(cache)
+    with pytest.raises(OutOfPages) as info:
+        cache.extend_batch(seqs + [third], [1, 2, 3])   # 3 new pages, 2 free
+    assert (info.value.num_needed, info.value.num_available) == (3, 2)
+    same_state(before, state_of(cache))
+    cache.extend_batch(seqs, [1, 2])
+    assert cache.num_free_pages == 0
+
+
+@pytest.mark.parametrize("call, err", [
+    (lambda c, s: c.extend_batch(s, [1]), ShapeError),                    # one token for two
+    (lambda c, s: c.extend_batch(s, [[1], [2]]), ShapeError),
+    (lambda c, s: c.extend_batch(s, [1.5, 2]), DTypeError),
+    (lambda c, s: c.extend_batch(s, [1, -2]), DTypeError),
+    (lambda c, s: c.extend_batch([s[0], s[0]], [1, 2]), SequenceError),    # listed twice
+    (lambda c, s: c.extend_batch(s[0], [1]), DTypeError),                  # not a list
+    (lambda c, s: c.extend_batch([s[0], "x"], [1, 2]), DTypeError),
+    (lambda c, s: c.extend_batch([s[0], make_cache().add_sequence([1])], [1, 2]),
+     SequenceError),                                                       # another cache's
+])
+def test_bad_extend_batch_changes_nothing(expected_kv, state_of, same_state, call, err):
+    cache = make_cache()
+    seqs = [run_prompt(cache, p, expected_kv)[0] for p in ([1, 2, 3], [4, 5])]
+    before = state_of(cache)
+    with pytest.raises(err):
+        call(cache, seqs)
+    same_state(before, state_of(cache))
+
+
+def test_extend_batch_of_nothing_is_a_no_op(expected_kv, state_of, same_state):
+    cache = make_cache()
+    seq, plan = run_prompt(cache, [1, 2, 3], expected_kv)
+    before = state_of(cache)
+    cache.extend_batch([], [])
+    same_state(before, state_of(cache))
+    cache.gather(0, plan)  # the plan is still current
+
+
 # ------------------------------------------------------------ release
 
 def test_released_sequence_cannot_be_used(expected_kv, state_of, same_state):

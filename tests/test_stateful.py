@@ -136,6 +136,28 @@ def make_machine(expected_kv, state_of, same_state, **cache_kwargs):
         def extend(self, data, tokens):
             self.try_extend(self.pick(data), tokens)
 
+        @precondition(lambda self: self.live)
+        @rule(data=st.data())
+        def extend_batch(self, data):
+            # a decode step: one token for each of some sequences (forks of
+            # one another among them, at times)
+            ids = data.draw(st.lists(st.sampled_from(sorted(self.live)), unique=True,
+                                     min_size=1, max_size=len(self.live)))
+            seqs = [self.live[i] for i in ids]
+            tokens = data.draw(st.lists(st.integers(0, 3), min_size=len(ids),
+                                        max_size=len(ids)))
+            self.cache.plan([])
+            before = state_of(self.cache)
+            try:
+                self.cache.extend_batch(seqs, tokens)
+            except OutOfPages as exc:
+                assert exc.num_needed > exc.num_available == self.cache.pool.num_available
+                same_state(before, state_of(self.cache))
+                event("extend_batch: out of pages")
+                return
+            for seq, tok in zip(seqs, tokens):
+                self.model[seq.seq_id][1].append(tok)
+
         @precondition(lambda self: self.live and len(self.live) < MAX_LIVE)
         @rule(data=st.data())
         def fork(self, data):

@@ -479,23 +479,26 @@ class OrtDecoder:
         reqs = self._running
         if not reqs:
             return preempted
+        # This runs once per token: plain Python for the batch's few numbers,
+        # since each NumPy call here costs more than its work (the model has
+        # just pushed the interpreter out of the CPU's caches).
         seqs = [r.seq for r in reqs]
-        lens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
+        len_list = [s.num_tokens for s in seqs]
         rids = tuple(r.rid for r in reqs)
-        if rids != self._batch_rids or self._runner.needs_gather(lens):
+        if rids != self._batch_rids or self._runner.needs_gather(max(len_list)):
             self._flush()
             gather_plan = cache.plan(seqs)   # no new tokens: exactly the cached past
             remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
-            capacity = int(lens.max()) + 1 + min(remaining, _MAX_HEADROOM)
+            capacity = max(len_list) + 1 + min(remaining, _MAX_HEADROOM)
             self._forget_batch()
             self._runner.start_batch(
                 lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out),
-                lens, capacity)
+                np.array(len_list, dtype=np.int64), capacity)
             self._batch_rids, self._batch = rids, list(reqs)
             self._counters["num_regathers"] += 1
-        tokens = np.fromiter((r.generated[-1] for r in reqs), dtype=np.int64, count=len(reqs))
-        for b, seq in enumerate(seqs):
-            cache.extend(seq, tokens[b:b + 1])
+        lens = np.array(len_list, dtype=np.int64)
+        tokens = np.array([r.generated[-1] for r in reqs], dtype=np.int64)
+        cache.extend_batch(seqs, tokens)
         try:
             logits = self._runner.decode(tokens, lens)
         except BaseException:

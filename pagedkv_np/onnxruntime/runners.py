@@ -123,8 +123,9 @@ class Runner:
         """
         raise NotImplementedError
 
-    def needs_gather(self, lens: np.ndarray) -> bool:
-        """Whether the batch's buffers cannot take one more token at ``lens``."""
+    def needs_gather(self, longest: int) -> bool:
+        """Whether the batch's buffers cannot take one more token after
+        ``longest`` cached ones."""
         return False
 
     def reset(self) -> None:
@@ -187,8 +188,8 @@ class GqaRunner(Runner):
         self._next = None
         self.capacity = 0
 
-    def needs_gather(self, lens: np.ndarray) -> bool:
-        return int(lens.max()) + 1 > self.capacity
+    def needs_gather(self, longest: int) -> bool:
+        return longest + 1 > self.capacity
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         io, b = self.io, lens.shape[0]
