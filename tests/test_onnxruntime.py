@@ -269,10 +269,8 @@ def test_a_failed_model_call_leaves_a_usable_engine(variant, monkeypatch):
 
 
 @pytest.mark.parametrize("interval", [1, 5, 1000])
-def test_the_write_interval_changes_no_token_and_no_hit(variant, interval, monkeypatch):
-    from pagedkv_np.onnxruntime import engine
-    monkeypatch.setattr(engine, "WRITE_INTERVAL", interval)
-    dec = decoder(variant, max_batch_size=8)
+def test_the_write_interval_changes_no_token_and_no_hit(variant, interval):
+    dec = decoder(variant, max_batch_size=8, write_interval=interval)
     refs = [reference(variant, p) for p in PROMPTS]
     assert dec.generate(PROMPTS, max_new_tokens=NEW) == refs
     # every fed token's K/V reached the pages, whenever it was written: a
@@ -288,7 +286,7 @@ def test_the_write_interval_changes_no_token_and_no_hit(variant, interval, monke
 def test_an_aborted_request_leaves_its_decoded_tokens_cached(variant):
     dec = decoder(variant)
     rid = dec.add_request(PROMPTS[7], max_new_tokens=NEW)
-    for _ in range(6):          # a prefill, then 5 decode steps: fewer than WRITE_INTERVAL
+    for _ in range(6):          # a prefill, then 5 decode steps: fewer than write_interval
         dec.step()
     dec.abort(rid)
     out = dec.pop_output(rid)
@@ -446,6 +444,10 @@ def test_bad_arguments():
         dec.is_finished(12345)
     with pytest.raises(ConfigError, match="max_batch_size"):
         decoder("optimum", max_batch_size=0)
+    with pytest.raises(ConfigError, match="write_interval"):
+        decoder("optimum", write_interval=0)
+    with pytest.raises((ConfigError, DTypeError), match="write_interval"):
+        decoder("optimum", write_interval=2.5)
     with pytest.raises(DTypeError, match="model"):
         OrtDecoder(12345)
     with pytest.raises(ConfigError, match="no file"):

@@ -16,7 +16,7 @@ Why the data moves as it does:
   when the batch changes (a request joins, leaves or is preempted). While it
   stays the same, the model's own buffers carry the past from step to step,
   and the new tokens' K/V goes into the pages in one write per layer every
-  :data:`WRITE_INTERVAL` steps, and before anything reads or releases those
+  ``write_interval`` steps, and before anything reads or releases those
   pages (a change of batch, a finished, preempted or aborted request). A
   write per step would cost a plan and a call per layer each step, a few
   percent of a small model's step on a small CPU.
@@ -64,15 +64,11 @@ except ImportError as exc:  # pragma: no cover - __init__ reports this first
         "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
     ) from exc
 
-__all__ = ["OrtDecoder", "RequestNotFound", "WRITE_INTERVAL"]
+__all__ = ["OrtDecoder", "RequestNotFound"]
 
 # The GQA decode buffer holds at most this many positions beyond the longest
 # sequence; a longer run is re-gathered into a larger buffer.
 _MAX_HEADROOM = 512
-
-#: Decode steps whose K/V the engine holds in the model's buffers before
-#: writing them into the pages together (sooner when the batch changes).
-WRITE_INTERVAL = 16
 
 class RequestNotFound(PagedKVError, KeyError):
     """No request with that id (never added, or its output was already taken)."""
@@ -157,6 +153,10 @@ class OrtDecoder:
     partial_page_reuse : bool
         Also reuse a shared prefix that ends inside a page (see
         :class:`~pagedkv_np.PagedKVCache`).
+    write_interval : int
+        Decode steps whose K/V stays in the model's buffers before it is
+        written into the pages, in one call per layer (sooner when the batch
+        changes or a request ends). 1 writes every step.
     family : {"auto", "optimum", "gqa"}
     num_kv_heads, head_dim : int, optional
         For models whose past inputs leave these dimensions symbolic.
@@ -175,11 +175,13 @@ class OrtDecoder:
     def __init__(self, model: Any, *, num_pages: int = 512, page_size: int = 16,
                  max_batch_size: int = 8, eos_token_id: Any = None, backend: str = "auto",
                  layout: str = "NHD", enable_prefix_caching: bool = True,
-                 partial_page_reuse: bool = True, family: str = "auto",
+                 partial_page_reuse: bool = True, write_interval: int = 16,
+                 family: str = "auto",
                  num_kv_heads: int | None = None,
                  head_dim: int | None = None, session_options: Any = None,
                  providers: list | None = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
+        self.write_interval = check_positive_int(write_interval, "write_interval")
         self.eos_token_ids = self._parse_eos(eos_token_id)
         source, proto = _load(model)
         facts = graph_facts(proto)
@@ -509,7 +511,7 @@ class OrtDecoder:
         greedy = logits.argmax(axis=-1)      # one call for the batch's greedy rows
         for b, r in enumerate(reqs):
             self._accept(r, logits[b], events, int(greedy[b]) if r.rng is None else None)
-        if self._pending >= WRITE_INTERVAL:
+        if self._pending >= self.write_interval:
             self._flush()
         self._retire_finished()
         return preempted
