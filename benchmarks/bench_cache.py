@@ -68,6 +68,7 @@ class DecodeStep:
             seqs.append(seq)
         _extend_all(cache, seqs)
         self.cache, self.seqs, self.prompt = cache, seqs, prompts[0]
+        self.tokens = np.ones(num_seqs, dtype=np.int64)
         self.plan = cache.plan(seqs)
         self.k = backend.asarray(rng.standard_normal(
             (num_seqs, NUM_KV_HEADS, HEAD_DIM)).astype(DTYPE))
@@ -86,6 +87,11 @@ class DecodeStep:
         _extend_all(self.cache, self.seqs)
 
     time_extend.number = 1
+
+    def time_extend_batch(self, *params):
+        self.cache.extend_batch(self.seqs, self.tokens)
+
+    time_extend_batch.number = 1
 
     def time_plan(self, *params):
         self.cache.plan(self.seqs)
