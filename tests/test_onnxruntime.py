@@ -236,25 +236,39 @@ def test_abort_returns_pages(variant):
     dec.cache.check_invariants()
 
 
-def test_a_failed_model_call_leaves_a_usable_engine(variant, monkeypatch):
-    dec = decoder(variant)
-    real = dec._runner.decode
-    calls = []
+def _fail_once(monkeypatch, obj, name, when):
+    """Make ``obj.name`` raise RuntimeError("<name> failed") on the first call
+    for which ``when(call number, args)`` holds."""
+    real, calls, failed = getattr(obj, name), [], []
 
-    def flaky(*a, **k):
+    def flaky(*args):
         calls.append(1)
-        if len(calls) == 2:
-            # this step's tokens were reserved but their K/V is never written;
-            # PROMPTS[1] (38 tokens) fills its fifth page with this token
-            raise RuntimeError("model failed")
-        return real(*a, **k)
+        if not failed and when(len(calls), args):
+            failed.append(1)
+            raise RuntimeError(f"{name} failed")
+        return real(*args)
 
-    monkeypatch.setattr(dec._runner, "decode", flaky)
+    monkeypatch.setattr(obj, name, flaky)
+
+
+@pytest.mark.parametrize("failing", ["model", "page write"])
+def test_a_failure_mid_step_leaves_a_usable_engine(variant, failing, monkeypatch):
+    dec = decoder(variant)
+    if failing == "model":
+        # the second decode call: its tokens were reserved but their K/V is
+        # never written; PROMPTS[1] (38 tokens) fills its fifth page with it
+        _fail_once(monkeypatch, dec._runner, "decode", lambda n, args: n == 2)
+    else:
+        # the first write of decoded tokens (a plan of several sequences)
+        # fails after its first layer: none of that plan may be indexed
+        _fail_once(monkeypatch, dec.cache, "write",
+                   lambda n, args: args[1].num_seqs > 1 and args[0] == 1)
     prompts = PROMPTS[:4]
     rids = [dec.add_request(p, max_new_tokens=NEW) for p in prompts]
-    with pytest.raises(RuntimeError, match="model failed"):
+    with pytest.raises(RuntimeError, match="failed"):
         while dec.has_unfinished_requests():
             dec.step()
+    assert dec.stats["num_running"] == 0
     dec.cache.check_invariants()
     while dec.has_unfinished_requests():
         dec.step()
@@ -294,35 +308,6 @@ def test_an_aborted_request_leaves_its_decoded_tokens_cached(variant):
     prompt = PROMPTS[7] + out[:5] + [3]
     assert dec.generate([prompt], max_new_tokens=NEW) == [reference(variant, prompt)]
     assert dec.stats["prefix_hit_tokens"] == len(PROMPTS[7]) + 5
-
-
-def test_a_failed_page_write_leaves_a_usable_engine(variant, monkeypatch):
-    dec = decoder(variant)
-    real = dec.cache.write
-    calls = []
-
-    def flaky(layer, plan, k, v):
-        # the first write of decoded tokens (a plan of several sequences) fails
-        # after its first layer: that plan's K/V must never be indexed
-        if plan.num_seqs > 1 and layer == 1 and not calls:
-            calls.append(1)
-            raise RuntimeError("write failed")
-        return real(layer, plan, k, v)
-
-    monkeypatch.setattr(dec.cache, "write", flaky)
-    prompts = PROMPTS[:4]
-    rids = [dec.add_request(p, max_new_tokens=NEW) for p in prompts]
-    with pytest.raises(RuntimeError, match="write failed"):
-        while dec.has_unfinished_requests():
-            dec.step()
-    assert dec.stats["num_running"] == 0
-    dec.cache.check_invariants()
-    while dec.has_unfinished_requests():
-        dec.step()
-    refs = [reference(variant, p) for p in prompts]
-    assert [dec.pop_output(r) for r in rids] == refs
-    longer = [p + r[:10] for p, r in zip(prompts, refs)]
-    assert dec.generate(longer, max_new_tokens=NEW - 10) == [r[10:] for r in refs]
 
 
 @pytest.mark.parametrize("family", ["optimum", "gqa"])
