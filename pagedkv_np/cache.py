@@ -11,6 +11,9 @@ like this (one step of a batch)::
         k, v = cache.gather(layer, plan)      # contiguous [B, H, T, D]
     cache.release(seq)                        # full pages stay for reuse
 
+A decode step of a batch reserves one slot per running sequence with
+``cache.extend_batch(seqs, next_tokens)``, then plans and writes the same way.
+
 Full pages enter the prefix index once their K/V is written: when every
 layer of the plan that covers them has been written. Until then no other
 sequence can be served them.
