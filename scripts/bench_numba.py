@@ -195,6 +195,9 @@ def bench_decode(backend, repeat: int) -> list[str]:
         k = _random_bits(rng, (num_seqs, NUM_HEADS, HEAD_DIM), store.dtype)
         v = _random_bits(rng, (num_seqs, NUM_HEADS, HEAD_DIM), store.dtype)
         dst_k, dst_v = np.ones_like(k), np.ones_like(v)
+        # one fresh (cold) destination per step, as the store's slots are
+        fresh = np.ones((steps, 2) + k.shape, k.dtype)
+        step_of = {id(slots): t for t, slots in enumerate(step_slots)}
         typed = _typed(store.k), _typed(store.v), _typed(k), _typed(v)
         no_kernel = _NoKernel()
         cases = {
@@ -208,6 +211,8 @@ def bench_decode(backend, repeat: int) -> list[str]:
                 typed[0], typed[1], 0, s, typed[2], typed[3], K.STREAM),
             "np.copyto of the bytes (hot)": lambda s: (np.copyto(dst_k, k),
                                                        np.copyto(dst_v, v)),
+            "np.copyto into fresh memory": lambda s: (
+                np.copyto(fresh[step_of[id(s)], 0], k), np.copyto(fresh[step_of[id(s)], 1], v)),
         }
         for name, fn in cases.items():
             best = float("inf")
