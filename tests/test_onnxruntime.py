@@ -251,10 +251,17 @@ def _fail_once(monkeypatch, obj, name, when):
     monkeypatch.setattr(obj, name, flaky)
 
 
-@pytest.mark.parametrize("failing", ["model", "page write"])
+@pytest.mark.parametrize("failing", ["model", "page write", "write at a finish"])
 def test_a_failure_mid_step_leaves_a_usable_engine(variant, failing, monkeypatch):
-    dec = decoder(variant)
-    if failing == "model":
+    budgets = [NEW] * 4
+    dec = decoder(variant, write_interval=1000 if failing == "write at a finish" else 16)
+    if failing == "write at a finish":
+        # the decoded K/V is written only when the first request finishes,
+        # and that write fails: the finished request keeps its tokens, the
+        # others are recomputed
+        budgets[2] = 7
+        _fail_once(monkeypatch, dec.cache, "write", lambda n, args: args[1].num_seqs > 1)
+    elif failing == "model":
         # the second decode call: its tokens were reserved but their K/V is
         # never written; PROMPTS[1] (38 tokens) fills its fifth page with it
         _fail_once(monkeypatch, dec._runner, "decode", lambda n, args: n == 2)
@@ -264,7 +271,7 @@ def test_a_failure_mid_step_leaves_a_usable_engine(variant, failing, monkeypatch
         _fail_once(monkeypatch, dec.cache, "write",
                    lambda n, args: args[1].num_seqs > 1 and args[0] == 1)
     prompts = PROMPTS[:4]
-    rids = [dec.add_request(p, max_new_tokens=NEW) for p in prompts]
+    rids = [dec.add_request(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
     with pytest.raises(RuntimeError, match="failed"):
         while dec.has_unfinished_requests():
             dec.step()
@@ -273,7 +280,7 @@ def test_a_failure_mid_step_leaves_a_usable_engine(variant, failing, monkeypatch
     while dec.has_unfinished_requests():
         dec.step()
     refs = [reference(variant, p) for p in prompts]
-    assert [dec.pop_output(r) for r in rids] == refs
+    assert [dec.pop_output(r) for r in rids] == [r[:n] for r, n in zip(refs, budgets)]
     # prompts that run through the pages of the failed step must not find
     # unwritten K/V in the prefix index
     longer = [p + r[:10] for p, r in zip(prompts, refs)]

@@ -441,13 +441,15 @@ class OrtDecoder:
         self._pending = 0
 
     def _requeue_running(self) -> None:
-        """After a failed model call or write: every running request goes back
-        to the queue, to be recomputed; K/V not yet written is never indexed."""
+        """After a failed model call or write: every running request that is
+        not finished goes back to the queue, to be recomputed; K/V not yet
+        written is never indexed."""
         for req in reversed(self._running):
             if req.seq is not None and not req.seq.is_released:
                 self.cache.release(req.seq)
             req.seq = None
-            self._waiting.appendleft(req)
+            if not req.finished:
+                self._waiting.appendleft(req)
         self._running = []
         self._forget_batch()
 
