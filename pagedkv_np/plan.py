@@ -122,8 +122,8 @@ def build_plan(
     if page_arrays is None or num_seqs * max_pages <= _LIST_MAX_ENTRIES:
         flat: list = []
         for pages in page_ids:
-            flat += pages
-            flat += [-1] * (max_pages - len(pages))
+            flat.extend(pages)
+            flat.extend([-1] * (max_pages - len(pages)))
         page_table = np.array(flat, dtype=np.int32).reshape(num_seqs, max_pages)
     else:
         page_table = np.full((num_seqs, max_pages), -1, dtype=np.int32)

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from pagedkv_np import PagedKVCache, Plan
+from pagedkv_np import plan as plan_module
 from pagedkv_np.plan import build_plan
 
 
@@ -70,6 +71,33 @@ def test_slots_match_a_naive_loop(page_size):
     plan = build_plan(page_lists, lens, ctx, page_size, list(range(6)))
     assert plan.slot_mapping.tolist() == expected
     assert np.unique(plan.slot_mapping).size == plan.slot_mapping.size
+
+
+@pytest.mark.parametrize("loop_max", [0, 10_000])      # array operations / Python loop
+@pytest.mark.parametrize("list_max", [0, 10_000])      # page table from arrays / one list
+def test_every_way_of_building_gives_the_same_plan(monkeypatch, loop_max, list_max):
+    rng = np.random.default_rng(7)
+    page_size = 4
+    free = rng.permutation(300).tolist()
+    page_lists, lens, ctx = [], [], []
+    for n in (0, 1, 4, 5, 37, 64, 3):
+        page_lists.append([free.pop() for _ in range(-(-n // page_size))])
+        lens.append(n)
+        ctx.append(int(rng.integers(0, n + 1)))
+    want = build_plan(page_lists, lens, ctx, page_size, list(range(7)))
+    monkeypatch.setattr(plan_module, "LOOP_MAX_TOKENS", loop_max)
+    monkeypatch.setattr(plan_module, "_LIST_MAX_ENTRIES", list_max)
+    arrays = [np.array(p, dtype=np.int32) for p in page_lists]
+    for pages, page_arrays in ((page_lists, None), (page_lists, arrays), (arrays, None)):
+        got = build_plan(pages, lens, ctx, page_size, list(range(7)), page_arrays=page_arrays)
+        for name in ("page_table", "seq_lens", "slot_mapping", "query_start_loc",
+                     "context_lens"):
+            a, b = getattr(got, name), getattr(want, name)
+            assert a.dtype == b.dtype == np.int32 and a.tolist() == b.tolist(), name
+    expected = []
+    for p, c, n in zip(page_lists, ctx, lens):
+        expected += naive_slots(p, c, n, page_size)
+    assert want.slot_mapping.tolist() == expected
 
 
 def test_cache_plan_splits_context_and_new_tokens():
