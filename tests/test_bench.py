@@ -103,11 +103,18 @@ def test_standard_cases_are_present(quick_records, backend, dtype):
                                      page_size=16)
         # K and V of 32 x 2048 tokens, read once and written once.
         assert rec["bytes"] == 2 * 2 * 32 * 2048 * 8 * 128 * itemsize
-    (prefill,) = find(quick_records, "prefill_write", backend=backend, dtype=dtype)
-    assert (prefill["params"]["num_seqs"], prefill["params"]["num_new_tokens"]) == (1, 2048)
-    assert prefill["bytes"] == 2 * 2 * 2048 * 8 * 128 * itemsize
-    (decode,) = find(quick_records, "decode_write", backend=backend, dtype=dtype)
-    assert (decode["params"]["num_seqs"], decode["params"]["num_new_tokens"]) == (32, 1)
+    host = backends.get_backend(backend).array_types == (np.ndarray,)
+    for destination in ("reused", "fresh") if host else ("reused",):
+        (prefill,) = find(quick_records, "prefill_write", backend=backend, dtype=dtype,
+                          destination=destination)
+        assert (prefill["params"]["num_seqs"], prefill["params"]["num_new_tokens"]) == (1, 2048)
+        assert prefill["bytes"] == 2 * 2 * 2048 * 8 * 128 * itemsize
+        (decode,) = find(quick_records, "decode_write", backend=backend, dtype=dtype,
+                         destination=destination)
+        assert (decode["params"]["num_seqs"], decode["params"]["num_new_tokens"]) == (32, 1)
+        assert decode["bytes"] == 2 * 2 * 32 * 8 * 128 * itemsize
+        assert ("fresh" in prefill["case"]) == ("fresh" in decode["case"]) == (
+            destination == "fresh")
     assert find(quick_records, "copy_pages", backend=backend, dtype=dtype)
 
 
@@ -148,8 +155,9 @@ def test_python_dash_m_dispatches_to_bench():
 # ---------------------------------------------------------------- filters
 def test_filters_select_op_backend_and_dtype(capsys):
     records = run_json(capsys, "--op", "decode_write", "--backend", "numpy", "--dtype", "float16")
-    assert [(r["op"], r["backend"], r["dtype"]) for r in records] == [
-        ("decode_write", "numpy", "float16")]
+    assert [(r["op"], r["backend"], r["dtype"], r["params"]["destination"])
+            for r in records] == [("decode_write", "numpy", "float16", "reused"),
+                                  ("decode_write", "numpy", "float16", "fresh")]
 
 
 def test_filters_accept_commas_and_repeats(capsys):
@@ -231,3 +239,29 @@ def test_the_command_passes_options_through(capsys):
     with pytest.raises(SystemExit) as exc:
         cli(["nonsense"])
     assert exc.value.code == 2
+
+
+def test_fresh_copies_write_the_next_region_each_call():
+    from pagedkv_np.bench.timing import CopyBaseline
+
+    base = CopyBaseline()
+    try:
+        # 4096 bytes read and 4096 written per call, over 4 regions
+        (one, threads_one), (two, threads_two) = base.fresh_copies(2 * 4096, 4 * 4096)
+        assert (threads_one, threads_two) == (1, 2)
+        src, dst = base._fresh_src, base._fresh_dst
+        assert src.size == 4096 and dst.size == 4 * 4096 and (dst == 2).all()
+        written = []
+        for call in (one, two, one, two, one):
+            before = dst.copy()
+            call()
+            changed = np.flatnonzero(before != dst)
+            region = int(changed[0]) // 4096 if changed.size else None
+            if changed.size:
+                assert changed.size == 4096 and (dst[changed] == 1).all()
+            written.append(region)
+        # regions 1, 2, 3, 0 are written in turn; the fifth call finds region
+        # 1 already holding the source's bytes
+        assert written == [1, 2, 3, 0, None]
+    finally:
+        base.close()

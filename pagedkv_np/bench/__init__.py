@@ -17,6 +17,10 @@ Standard cases, run by default (the project's published figures)::
     prefill_write  2048 tokens of one sequence (8 x 128), one layer
     decode_write   32 sequences x 1 token, one layer, per call of
                    PagedKVCache.write (Python overhead included)
+    (both writes also ", fresh" on the host: a different destination each
+    call, round and round through 64 MiB, beside a copy that does the same,
+    since writes in serving go to new pages; decode_write then calls the
+    backend's write)
     copy_pages     256 copy-on-write page pairs, 2 layers
     alloc_free     PagePool.allocate(1) + free at 1K, 64K and 1M pages
     prefix_lookup  PrefixIndex.lookup throughput in tokens/s, hit and miss

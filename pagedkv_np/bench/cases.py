@@ -26,6 +26,10 @@ DATA_OPS = OPS[:4]
 DEFAULT_DTYPES = ("float32", "float16")
 PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 GATHER_SEQS, GATHER_TOKENS = 32, 2048
+# Bytes a "fresh" write case and its copy write in turn before they come
+# back to the same destination: twice a large L3 cache, so that every call
+# writes memory that has left the caches, as a write into new pages does.
+FRESH_SPAN = 64 << 20
 POOL_SIZES = (1 << 10, 1 << 16, 1 << 20)
 
 # quick: a smoke run of seconds; full: steadier figures and the plot sweep.
@@ -69,6 +73,17 @@ def _decode_cache(backend, dtype, num_seqs: int, context: int) -> tuple[PagedKVC
     for seq in seqs:
         cache.extend(seq, [7])
     return cache, cache.plan(seqs)
+
+
+def _cycling(fn: Callable[[Any], Any], args: list) -> Callable[[], Any]:
+    """A call of ``fn`` with each of ``args`` in turn, round and round."""
+    turn = [0]
+
+    def call():
+        turn[0] = (turn[0] + 1) % len(args)
+        return fn(args[turn[0]])
+
+    return call
 
 
 class _Runner:
@@ -115,8 +130,10 @@ class _Runner:
         return (self.array(backend, "store_k", shape, dtype),
                 self.array(backend, "store_v", shape, dtype))
 
-    def data_record(self, op, backend, dtype, layout, out_layout, case, params, fn, nbytes):
-        copies = self.copy.copies(nbytes, backend)
+    def data_record(self, op, backend, dtype, layout, out_layout, case, params, fn, nbytes,
+                    fresh: bool = False):
+        copies = (self.copy.fresh_copies(nbytes, FRESH_SPAN) if fresh
+                  else self.copy.copies(nbytes, backend))
         times = self.times([fn] + [c for c, _ in copies], sync_for(backend))
         seconds = times[0]
         copy_seconds, threads = min(zip(times[1:], (t for _, t in copies)))
@@ -156,29 +173,55 @@ class _Runner:
 
     def prefill_write(self, backend, dtype) -> Iterator[dict]:
         num_pages = -(-GATHER_TOKENS // PAGE_SIZE)
-        k_cache, v_cache = self.store(backend, dtype, 1, num_pages)
-        pages = np.random.default_rng(0).permutation(num_pages)
-        pos = np.arange(GATHER_TOKENS)
-        slot_mapping = (pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).astype(np.int32)
         shape = (GATHER_TOKENS, NUM_KV_HEADS, HEAD_DIM)
         k = self.array(backend, "new_k", shape, dtype)
         v = self.array(backend, "new_v", shape, dtype)
-        params = dict(num_seqs=1, num_new_tokens=GATHER_TOKENS, num_kv_heads=NUM_KV_HEADS,
-                      head_dim=HEAD_DIM, page_size=PAGE_SIZE)
-        yield self.data_record(
-            "prefill_write", backend, dtype, "NHD", None, f"1 seq x {GATHER_TOKENS} tok", params,
-            lambda: backend.write(k_cache, v_cache, 0, slot_mapping, k, v, check_indices=False),
-            2 * (k.nbytes + v.nbytes))
+        nbytes = 2 * (k.nbytes + v.nbytes)
+        # the same pages every call, and, on the host, fresh pages every call
+        rounds = max(2, FRESH_SPAN // (k.nbytes + v.nbytes)) if is_host(backend) else 0
+        k_cache, v_cache = self.store(backend, dtype, 1, num_pages * max(1, rounds))
+        order = np.random.default_rng(0).permutation(num_pages * max(1, rounds))
+        pos = np.arange(GATHER_TOKENS)
+        mappings = [(order[r * num_pages:(r + 1) * num_pages][pos // PAGE_SIZE] * PAGE_SIZE
+                     + pos % PAGE_SIZE).astype(np.int32) for r in range(max(1, rounds))]
+        for fresh in (False, True) if rounds else (False,):
+            params = dict(num_seqs=1, num_new_tokens=GATHER_TOKENS, num_kv_heads=NUM_KV_HEADS,
+                          head_dim=HEAD_DIM, page_size=PAGE_SIZE,
+                          destination="fresh" if fresh else "reused")
+            write = _cycling(lambda slots: backend.write(k_cache, v_cache, 0, slots, k, v,
+                                                         check_indices=False),
+                             mappings if fresh else mappings[:1])
+            yield self.data_record(
+                "prefill_write", backend, dtype, "NHD", None,
+                f"1 seq x {GATHER_TOKENS} tok" + (", fresh" if fresh else ""), params,
+                write, nbytes, fresh=fresh)
 
     def decode_write(self, backend, dtype) -> Iterator[dict]:
         cache, plan = _decode_cache(backend, dtype, GATHER_SEQS, 64)
         k = backend.zeros((GATHER_SEQS, NUM_KV_HEADS, HEAD_DIM), dtype)
         v = backend.zeros((GATHER_SEQS, NUM_KV_HEADS, HEAD_DIM), dtype)
+        nbytes = 2 * (k.nbytes + v.nbytes)
         params = dict(num_seqs=GATHER_SEQS, num_new_tokens=1, num_kv_heads=NUM_KV_HEADS,
-                      head_dim=HEAD_DIM, page_size=PAGE_SIZE)
+                      head_dim=HEAD_DIM, page_size=PAGE_SIZE, destination="reused")
         yield self.data_record("decode_write", backend, dtype, "NHD", None,
                                f"{GATHER_SEQS} seq x 1 tok", params,
-                               lambda: cache.write(0, plan, k, v), 2 * (k.nbytes + v.nbytes))
+                               lambda: cache.write(0, plan, k, v), nbytes)
+        if not is_host(backend):
+            return
+        # Fresh slots, as in a decode loop: each call writes one token of
+        # each of 32 sequences into rows nothing has touched for 64 MiB.
+        # Through backend.write: a cache's plans cannot take turns like this.
+        rounds = max(2, FRESH_SPAN // (k.nbytes + v.nbytes))
+        num_pages = rounds * GATHER_SEQS // PAGE_SIZE
+        k_cache, v_cache = self.store(backend, dtype, 1, num_pages)
+        slots = np.random.default_rng(1).permutation(num_pages * PAGE_SIZE).astype(np.int32)
+        mappings = [slots[r * GATHER_SEQS:(r + 1) * GATHER_SEQS] for r in range(rounds)]
+        params = dict(params, destination="fresh")
+        write = _cycling(lambda s: backend.write(k_cache, v_cache, 0, s, k, v,
+                                                 check_indices=False), mappings)
+        yield self.data_record("decode_write", backend, dtype, "NHD", None,
+                               f"{GATHER_SEQS} seq x 1 tok, fresh",
+                               params, write, nbytes, fresh=True)
 
     def copy_pages(self, backend, dtype) -> Iterator[dict]:
         num_pairs, num_layers = 256, 2

@@ -81,12 +81,14 @@ class CopyBaseline:
 
     def __init__(self) -> None:
         self._host_src = self._host_dst = np.empty(0, dtype=np.uint8)
+        self._fresh_src = self._fresh_dst = self._host_src
         self._device_key: tuple | None = None
         self._device_fns: list[tuple[Callable[[], None], int]] = []
         self._pool = ThreadPoolExecutor(max_workers=1)
 
     def close(self) -> None:
         self._host_src = self._host_dst = np.empty(0, dtype=np.uint8)
+        self._fresh_src = self._fresh_dst = self._host_src
         self._device_fns = []
         self._pool.shutdown()
 
@@ -117,6 +119,36 @@ class CopyBaseline:
             self._device_fns = self._device(half, backend)
             self._device_key = key
         return self._device_fns
+
+    def fresh_copies(self, nbytes: int, span: int) -> list[tuple[Callable[[], None], int]]:
+        """Host copies like :meth:`copies`, except that each call writes the
+        next ``nbytes / 2`` of a ``span``-byte buffer, round and round: a
+        destination that has left the caches since it was last written, as
+        a write into fresh pages has. The source is the same each call."""
+        half = max(nbytes // 2, 64)
+        rounds = max(2, span // half)
+        self._fresh_src = self._fresh_dst = np.empty(0, dtype=np.uint8)  # free first
+        src = self._fresh_src = _page_offset_array(half, 0)
+        dst = self._fresh_dst = _page_offset_array(rounds * half, 2048)
+        src.fill(1)
+        dst.fill(2)
+        mid = half // 2 // 64 * 64
+        pool, turn = self._pool, [0]
+
+        def next_dst():
+            turn[0] = (turn[0] + 1) % rounds
+            return dst[turn[0] * half:(turn[0] + 1) * half]
+
+        def one_thread():
+            np.copyto(next_dst(), src)
+
+        def two_threads():
+            out = next_dst()
+            done = pool.submit(np.copyto, out[mid:], src[mid:])
+            np.copyto(out[:mid], src[:mid])
+            done.result()
+
+        return [(one_thread, 1), (two_threads, 2)]
 
     def _host(self, half: int) -> list[tuple[Callable[[], None], int]]:
         src, dst = self._host_src[:half], self._host_dst[:half]
