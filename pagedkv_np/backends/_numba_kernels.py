@@ -457,19 +457,6 @@ def _num_blocks(k_cache, k_out, flags):
 
 
 @jit_kernel
-def _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
-                     num_blocks, page_size, lo, hi):
-    """Hint the CPU to fetch the K and V pages that blocks ``lo..hi-1`` read."""
-    for item in range(lo, hi):
-        seq = item // num_blocks
-        t0 = (item - seq * num_blocks) * page_size
-        if t0 < seq_lens[seq]:
-            src = layer_base + page_table[seq, t0 // page_size] * page_bytes
-            _prefetch(k_cache, src, page_bytes)
-            _prefetch(v_cache, src, page_bytes)
-
-
-@jit_kernel
 def _gather_blocks(k_cache, v_cache, k_out, v_out, layer, page_table, seq_lens, flags, lo, hi):
     """Fill blocks ``lo..hi-1`` of the outputs; block ``b * num_blocks + j`` is
     positions ``[j * page_size, (j + 1) * page_size)`` of sequence ``b``: the
@@ -498,14 +485,19 @@ def _gather_blocks(k_cache, v_cache, k_out, v_out, layer, page_table, seq_lens, 
     # several blocks ahead, or copying head by head across several blocks,
     # measured slower.)
     strided = not joined_tokens and not joined_positions
-    if strided:
-        _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
-                         num_blocks, page_size, lo, min(lo + 1, hi))
     num_bad = 0
-    for item in range(lo, hi):
-        if strided and item + 1 < hi:
-            _prefetch_blocks(k_cache, v_cache, layer_base, page_bytes, page_table, seq_lens,
-                             num_blocks, page_size, item + 1, item + 2)
+    # (with strided reads, one turn ahead of the first block: its fetch)
+    for item in range(lo - 1 if strided else lo, hi):
+        ahead = item + 1
+        if strided and ahead < hi:
+            seq = ahead // num_blocks
+            t0 = (ahead - seq * num_blocks) * page_size
+            if t0 < seq_lens[seq]:
+                src0 = layer_base + page_table[seq, t0 // page_size] * page_bytes
+                _prefetch(k_cache, src0, page_bytes)
+                _prefetch(v_cache, src0, page_bytes)
+        if item < lo:
+            continue
         seq = item // num_blocks
         t0 = (item - seq * num_blocks) * page_size
         t1 = min(t0 + page_size, num_positions)
