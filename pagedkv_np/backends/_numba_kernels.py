@@ -229,9 +229,19 @@ def _copy_row_loop(builder, dst, dst_stride, src, src_stride, run, count, stream
                 if constant:
                     _stream_row(builder, d, s, run, intp)
                 else:
-                    _stream_loop(builder, d, s, run, intp)
+                    _call_stream_copy(builder, d, s, run)
             with plain:
                 cgutils.raw_memcpy(builder, d, s, run, 1)
+
+
+def _call_stream_copy(builder, dst, src, nbytes):
+    """A call of :func:`_stream_loop` as a function of its own: its code then
+    stands once in a module, however many places copy this way (which keeps
+    compile times down)."""
+    intp = nbytes.type
+    fn = _out_of_line(builder.module, "pagedkv_stream_copy", [_I8P, _I8P, intp],
+                      lambda b, d, s, n: _stream_loop(b, d, s, n, intp))
+    builder.call(fn, [dst, src, nbytes])
 
 
 def _stream_row(builder, dst, src, nbytes, intp):
@@ -253,7 +263,7 @@ def _stream_row(builder, dst, src, nbytes, intp):
                 store = builder.store(value, builder.gep(dvec, index), align=_VEC_BYTES)
                 store.set_metadata("nontemporal", nontemporal)
         with slow:
-            _stream_loop(builder, dst, src, nbytes, intp)
+            _call_stream_copy(builder, dst, src, nbytes)
 
 
 def _build_zero(builder, dst, nbytes, stream):
