@@ -77,6 +77,7 @@ def test_data_records_carry_bandwidth_and_copy_ratio(quick_records):
         assert rec["copy_threads"] in (1, 2)
         assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["seconds"] / 1e9)
         assert rec["ratio"] == pytest.approx(rec["gbps"] / rec["copy_gbps"])
+        assert positive_finite(rec["ratio_median"]), rec
         assert rec["rate"] is None and rec["rate_unit"] is None
 
 
@@ -88,7 +89,8 @@ def test_pool_and_prefix_records_carry_a_rate(quick_records):
         assert rec["rate"] == pytest.approx(
             (rec["params"]["num_tokens"] if rec["op"] == "prefix_lookup" else 1) / rec["seconds"])
         assert rec["rate_unit"] == {"alloc_free": "pairs/s", "prefix_lookup": "tokens/s"}[rec["op"]]
-        for key in ("backend", "dtype", "layout", "gbps", "copy_gbps", "ratio", "bytes"):
+        for key in ("backend", "dtype", "layout", "gbps", "copy_gbps", "ratio", "ratio_median",
+                    "bytes"):
             assert rec[key] is None
 
 
@@ -265,3 +267,27 @@ def test_fresh_copies_write_the_next_region_each_call():
         assert written == [1, 2, 3, 0, None]
     finally:
         base.close()
+
+
+def test_rounds_interleave_the_functions_and_time_each_call(monkeypatch):
+    from pagedkv_np.bench import timing
+
+    calls = []
+    clock = [0.0]
+
+    def fake(name, cost):
+        def fn():
+            calls.append(name)
+            clock[0] += cost
+        return fn
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+    # a costs 2 s a call, b 1 s: one call per sample reaches min_time
+    fns = [fake("a", 2.0), fake("b", 1.0)]
+    rounds = timing.round_times(fns, repeat=4, min_time=0.5)
+    assert rounds == [[2.0, 1.0]] * 4
+    # a warm-up and a calibration call each, then the rounds take turns
+    assert calls == ["a", "a", "b", "b"] + ["a", "b"] * 3
+    # no round starts past max_time, but the first always completes
+    assert len(timing.round_times(fns, repeat=10, min_time=0.5, max_time=7.0)) == 2
+    assert timing.best_times(fns, repeat=3, min_time=0.5) == [2.0, 1.0]

@@ -6,8 +6,11 @@ same process (``copy GB/s``): the better of ``np.copyto`` on one thread and
 on two threads (two halves copied at once; NumPy releases the GIL while it
 copies), since a backend may use both cores too. ``x copy`` is the ratio of
 the two: 1.0 is as fast as a plain copy. Times are the best of several
-repeats of ``time.perf_counter``, after a warm-up call that keeps JIT
-compilation and first-touch page faults out of the figures.
+rounds of ``time.perf_counter``, after a warm-up call that keeps JIT
+compilation and first-touch page faults out of the figures; each round
+times the operation and its copies back to back. ``median`` is the median
+over rounds of the ratio within one round, which a burst of load (or of
+bandwidth) in a single round hardly moves.
 
 Standard cases, run by default (the project's published figures)::
 
@@ -32,7 +35,7 @@ calls them; pages are in a shuffled order, as after a while of serving.
 most of a decode step. ``alloc_free`` and ``prefix_lookup`` do not depend on
 the backend or dtype (those fields are null).
 
-Modules: :mod:`.timing` (best-of-N timing, the copy baseline),
+Modules: :mod:`.timing` (interleaved timing rounds, the copy baseline),
 :mod:`.cases` (the cases and :func:`run_benchmarks`), :mod:`.report` (the
 table and the plot); this one holds the command line.
 """
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         print(f"pagedkv bench{' --quick' if args.quick else ''}: numpy {np.__version__}, "
               f"{cpus} CPU(s). copy GB/s: best of np.copyto on 1 and 2 threads over the same "
-              "bytes, in this process; x copy = GB/s / copy GB/s.", file=out)
+              "bytes, in this process; x copy = GB/s / copy GB/s, each the best of its rounds; "
+              "median = the median over rounds of that ratio within a round.", file=out)
         for reason in skipped:
             print(f"skipped: {reason}", file=out)
         print(format_header(), file=out, flush=True)

@@ -17,7 +17,7 @@ from ..errors import ConfigError
 from ..layout import resolve_dtype
 from ..pool import PagePool
 from ..prefix import PrefixIndex
-from .timing import CopyBaseline, best_times, is_host, sync_for
+from .timing import CopyBaseline, best_times, is_host, round_times, sync_for
 
 __all__ = ["OPS", "FIELDS", "run_benchmarks", "pool_cycle", "prefix_setup"]
 
@@ -34,7 +34,7 @@ POOL_SIZES = (1 << 10, 1 << 16, 1 << 20)
 
 # quick: a smoke run of seconds; full: steadier figures and the plot sweep.
 _SETTINGS = {
-    False: dict(repeat=5, min_time=0.05, max_time=1.0, sweep=(1, 2, 4, 8, 16, 32),
+    False: dict(repeat=9, min_time=0.05, max_time=2.0, sweep=(1, 2, 4, 8, 16, 32),
                 prompt_lens=(512, 4096, 32768), evict=True),
     True: dict(repeat=3, min_time=0.005, max_time=0.3, sweep=(1, 8, 32), prompt_lens=(4096,),
                evict=False),
@@ -42,8 +42,8 @@ _SETTINGS = {
 
 # The keys of every record, in this order in the JSON output.
 FIELDS = ("op", "backend", "dtype", "layout", "out_layout", "case", "params", "seconds",
-          "us_per_call", "bytes", "gbps", "copy_gbps", "copy_threads", "ratio", "rate",
-          "rate_unit")
+          "us_per_call", "bytes", "gbps", "copy_gbps", "copy_threads", "ratio", "ratio_median",
+          "rate", "rate_unit")
 
 
 def _record(op: str, case: str, params: dict, seconds: float, **extra: Any) -> dict:
@@ -134,15 +134,24 @@ class _Runner:
                     fresh: bool = False):
         copies = (self.copy.fresh_copies(nbytes, FRESH_SPAN) if fresh
                   else self.copy.copies(nbytes, backend))
-        times = self.times([fn] + [c for c, _ in copies], sync_for(backend))
-        seconds = times[0]
-        copy_seconds, threads = min(zip(times[1:], (t for _, t in copies)))
+        cfg = self.cfg
+        rounds = round_times([fn] + [c for c, _ in copies], cfg["repeat"], cfg["min_time"],
+                             sync_for(backend), cfg["max_time"])
+        best = [min(column) for column in zip(*rounds)]
+        seconds = best[0]
+        copy_seconds, threads = min(zip(best[1:], (t for _, t in copies)))
         # The copy moves 2 * max(nbytes // 2, 64) bytes, nbytes for any real case.
-        copy_gbps = 2 * max(nbytes // 2, 64) / copy_seconds / 1e9
+        copy_bytes = 2 * max(nbytes // 2, 64)
+        copy_gbps = copy_bytes / copy_seconds / 1e9
         gbps = nbytes / seconds / 1e9
+        # The same ratio within each round, where the operation and its copy
+        # ran back to back: a burst of load or of bandwidth in one round moves
+        # the ratio of the bests, but hardly the median of these.
+        per_round = [nbytes / r[0] / (copy_bytes / min(r[1:])) for r in rounds]
         return _record(op, case, params, seconds, backend=backend.name, dtype=dtype.name,
                        layout=layout, out_layout=out_layout, bytes=int(nbytes), gbps=gbps,
-                       copy_gbps=copy_gbps, copy_threads=threads, ratio=gbps / copy_gbps)
+                       copy_gbps=copy_gbps, copy_threads=threads, ratio=gbps / copy_gbps,
+                       ratio_median=float(np.median(per_round)))
 
     # Each generator yields records as soon as they are measured.
     def gather(self, backend, dtype) -> Iterator[dict]:

@@ -13,7 +13,8 @@ from .cases import GATHER_TOKENS, HEAD_DIM, NUM_KV_HEADS
 __all__ = ["format_header", "format_row", "format_table", "import_pyplot", "plot_gather"]
 
 _COLUMNS = (("op", 14), ("backend", 8), ("dtype", 9), ("layout", 10), ("case", 26),
-            ("time", 10), ("throughput", 16), ("copy GB/s", 10), ("x copy", 7))
+            ("time", 10), ("throughput", 16), ("copy GB/s", 10), ("x copy", 7),
+            ("median", 6))
 
 
 def _fmt_time(seconds: float) -> str:
@@ -38,10 +39,12 @@ def format_row(rec: dict) -> str:
     if rec["gbps"] is not None:
         throughput = f"{rec['gbps']:.3g} GB/s"
         copy, ratio = f"{rec['copy_gbps']:.3g}", f"{rec['ratio']:.2f}"
+        median = f"{rec['ratio_median']:.2f}"
     else:
         throughput, copy, ratio = _fmt_rate(rec["rate"], rec["rate_unit"]), "", ""
+        median = ""
     cells = (rec["op"], rec["backend"] or "-", rec["dtype"] or "-", layout, rec["case"],
-             _fmt_time(rec["seconds"]), throughput, copy, ratio)
+             _fmt_time(rec["seconds"]), throughput, copy, ratio, median)
     return "  ".join(str(c).ljust(w) for c, (_, w) in zip(cells, _COLUMNS)).rstrip()
 
 

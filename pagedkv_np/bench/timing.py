@@ -1,4 +1,4 @@
-"""Timing for ``pagedkv bench``: best-of-N samples and the plain-copy baseline.
+"""Timing for ``pagedkv bench``: interleaved rounds of samples and the plain-copy baseline.
 
 Every bandwidth figure is reported beside a plain copy of the same number of
 bytes measured in the same process, interleaved with the operation so that
@@ -15,19 +15,21 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth"]
+__all__ = ["round_times", "best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth"]
 
 
-def best_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
-               sync: Callable[[], Any] | None = None,
-               max_time: float = float("inf")) -> list[float]:
-    """Best seconds per call of each of ``fns`` over ``repeat`` rounds.
+def round_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
+                sync: Callable[[], Any] | None = None,
+                max_time: float = float("inf")) -> list[list[float]]:
+    """Seconds per call of each of ``fns``, round by round: ``out[r][i]`` is
+    function ``i`` in round ``r``.
 
     Each function gets one warm-up call, then a number of calls per sample
     that lasts at least ``min_time`` (timer resolution stops mattering). The
     rounds interleave the functions, so that an operation and its copy
     baseline see the same load on a shared machine. No round starts once
-    ``max_time`` seconds have passed (slow cases get fewer rounds).
+    ``max_time`` seconds have passed (slow cases get fewer rounds), and at
+    least one full round is always taken.
     """
     sync = sync or (lambda: None)
     start_all = time.perf_counter()
@@ -39,7 +41,7 @@ def best_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
         sync()
         return time.perf_counter() - start
 
-    numbers, best = [], []
+    numbers, first = [], []
     for fn in fns:
         sample(fn, 1)
         number, elapsed = 1, sample(fn, 1)
@@ -48,13 +50,22 @@ def best_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
             number = int(number * min(100.0, max(2.0, scale)))
             elapsed = sample(fn, number)
         numbers.append(number)
-        best.append(elapsed / number)
+        first.append(elapsed / number)
+    rounds = [first]
     for _ in range(repeat - 1):
         if time.perf_counter() - start_all > max_time:
             break
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], sample(fn, numbers[i]) / numbers[i])
-    return best
+        rounds.append([sample(fn, n) / n for fn, n in zip(fns, numbers)])
+    return rounds
+
+
+def best_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
+               sync: Callable[[], Any] | None = None,
+               max_time: float = float("inf")) -> list[float]:
+    """Best seconds per call of each of ``fns`` over the rounds of
+    :func:`round_times` (same arguments)."""
+    rounds = round_times(fns, repeat, min_time, sync, max_time)
+    return [min(column) for column in zip(*rounds)]
 
 
 def is_host(backend) -> bool:
