@@ -73,7 +73,7 @@ def test_data_records_carry_bandwidth_and_copy_ratio(quick_records):
             assert positive_finite(rec[key]), (key, rec)
         assert rec["backend"] in available_backends()
         assert rec["dtype"] in ("float32", "float16")
-        assert rec["layout"] == "NHD"
+        assert rec["layout"] == "NHD" or (rec["op"], rec["layout"]) == ("gather", "HND")
         assert rec["copy_threads"] in (1, 2)
         assert rec["gbps"] == pytest.approx(rec["bytes"] / rec["seconds"] / 1e9)
         assert rec["ratio"] == pytest.approx(rec["gbps"] / rec["copy_gbps"])
@@ -98,8 +98,8 @@ def test_pool_and_prefix_records_carry_a_rate(quick_records):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_standard_cases_are_present(quick_records, backend, dtype):
     itemsize = np.dtype(dtype).itemsize
-    for out_layout in ("BHTD", "BTHD"):
-        (rec,) = find(quick_records, "gather", backend=backend, dtype=dtype,
+    for layout, out_layout in (("NHD", "BHTD"), ("NHD", "BTHD"), ("HND", "BHTD")):
+        (rec,) = find(quick_records, "gather", backend=backend, dtype=dtype, layout=layout,
                       out_layout=out_layout, num_seqs=32)
         assert rec["params"] == dict(num_seqs=32, seq_len=2048, num_kv_heads=8, head_dim=128,
                                      page_size=16)
@@ -129,7 +129,8 @@ def test_pool_and_prefix_standard_cases_are_present(quick_records):
 
 def test_gather_sweep_covers_batch_sizes(quick_records):
     for backend in available_backends():
-        sweep = find(quick_records, "gather", backend=backend, dtype="float32", out_layout="BHTD")
+        sweep = find(quick_records, "gather", backend=backend, dtype="float32", layout="NHD",
+                     out_layout="BHTD")
         assert [r["params"]["num_seqs"] for r in sweep] == [1, 8, 32]
 
 

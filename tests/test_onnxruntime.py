@@ -109,8 +109,9 @@ def test_references_are_not_degenerate(variant):
     assert len({tuple(r) for r in refs}) == len(refs)
 
 
-def test_greedy_equals_full_recompute(variant):
-    dec = decoder(variant)
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_greedy_equals_full_recompute(variant, layout):
+    dec = decoder(variant, layout=layout)
     outs = dec.generate(PROMPTS, max_new_tokens=NEW)
     assert outs == [reference(variant, p) for p in PROMPTS]
     stats = dec.stats
@@ -150,10 +151,11 @@ def test_cached_pages_are_really_read(variant):
     assert outs[0] != reference(variant, WAVE2[0])
 
 
-def test_small_pool_preempts_and_still_gives_the_same_tokens(variant):
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_small_pool_preempts_and_still_gives_the_same_tokens(variant, layout):
     longest = max(len(p) for p in PROMPTS) + NEW - 1
     num_pages = -(-longest // PAGE) + 2      # room for one long request and a bit
-    dec = decoder(variant, num_pages=num_pages, max_batch_size=8)
+    dec = decoder(variant, num_pages=num_pages, max_batch_size=8, layout=layout)
     outs = dec.generate(PROMPTS, max_new_tokens=NEW)
     assert outs == [reference(variant, p) for p in PROMPTS]
     assert dec.stats["num_preemptions"] > 0
@@ -289,9 +291,10 @@ def test_a_failure_mid_step_leaves_a_usable_engine(variant, failing, monkeypatch
     assert dec.stats["prefix_hit_tokens"] >= sum((len(p) - 1) // PAGE * PAGE for p in longer)
 
 
-@pytest.mark.parametrize("interval", [1, 5, 1000])
-def test_the_write_interval_changes_no_token_and_no_hit(variant, interval):
-    dec = decoder(variant, max_batch_size=8, write_interval=interval)
+@pytest.mark.parametrize("interval, layout", [(1, "HND"), (5, "HND"), (1000, "HND"),
+                                              (5, "NHD")])
+def test_the_write_interval_changes_no_token_and_no_hit(variant, interval, layout):
+    dec = decoder(variant, max_batch_size=8, write_interval=interval, layout=layout)
     refs = [reference(variant, p) for p in PROMPTS]
     assert dec.generate(PROMPTS, max_new_tokens=NEW) == refs
     # every fed token's K/V reached the pages, whenever it was written: a

@@ -15,8 +15,9 @@ bandwidth) in a single round hardly moves.
 Standard cases, run by default (the project's published figures)::
 
     gather         32 sequences x 2048 tokens, 8 KV heads x 128, one layer,
-                   NHD store -> preallocated BHTD and BTHD buffers
-                   (plus a sweep over batch size, BHTD, for --plot)
+                   NHD store -> preallocated BHTD and BTHD buffers, and
+                   HND store -> BHTD (plus a sweep over batch size, NHD ->
+                   BHTD, for --plot)
     prefill_write  2048 tokens of one sequence (8 x 128), one layer
     decode_write   32 sequences x 1 token, one layer, per call of
                    PagedKVCache.write (Python overhead included)

@@ -125,8 +125,9 @@ class _Runner:
             buf = self._arena[name] = np.ones(nbytes, dtype=np.uint8)
         return buf[:nbytes].view(dtype).reshape(shape)
 
-    def store(self, backend, dtype, num_layers: int, num_pages: int):
-        shape = (num_layers, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)  # NHD
+    def store(self, backend, dtype, num_layers: int, num_pages: int, layout: str = "NHD"):
+        shape = ((num_layers, num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM) if layout == "NHD"
+                 else (num_layers, num_pages, NUM_KV_HEADS, PAGE_SIZE, HEAD_DIM))
         return (self.array(backend, "store_k", shape, dtype),
                 self.array(backend, "store_v", shape, dtype))
 
@@ -156,14 +157,16 @@ class _Runner:
     # Each generator yields records as soon as they are measured.
     def gather(self, backend, dtype) -> Iterator[dict]:
         pages_per_seq = -(-GATHER_TOKENS // PAGE_SIZE)
-        k_cache, v_cache = self.store(backend, dtype, 1, GATHER_SEQS * pages_per_seq)
         # Pages in a shuffled order, as after a while of serving.
         page_table = np.random.default_rng(0).permutation(GATHER_SEQS * pages_per_seq)
         page_table = page_table.astype(np.int32).reshape(GATHER_SEQS, pages_per_seq)
         seq_lens = np.full(GATHER_SEQS, GATHER_TOKENS, dtype=np.int32)
-        cases = [(b, "BHTD") for b in self.cfg["sweep"] if b != GATHER_SEQS]
-        cases += [(GATHER_SEQS, "BHTD"), (GATHER_SEQS, "BTHD")]
-        for num_seqs, out_layout in cases:
+        cases = [(b, "NHD", "BHTD") for b in self.cfg["sweep"] if b != GATHER_SEQS]
+        # (an HND store keeps each head's positions together, as BHTD wants)
+        cases += [(GATHER_SEQS, "NHD", "BHTD"), (GATHER_SEQS, "NHD", "BTHD"),
+                  (GATHER_SEQS, "HND", "BHTD")]
+        for num_seqs, layout, out_layout in cases:
+            k_cache, v_cache = self.store(backend, dtype, 1, GATHER_SEQS * pages_per_seq, layout)
             shape = ((num_seqs, NUM_KV_HEADS, GATHER_TOKENS, HEAD_DIM) if out_layout == "BHTD"
                      else (num_seqs, GATHER_TOKENS, NUM_KV_HEADS, HEAD_DIM))
             out = (self.array(backend, "out_k", shape, dtype),
@@ -171,12 +174,12 @@ class _Runner:
             table, lens = page_table[:num_seqs], seq_lens[:num_seqs]
 
             def run():
-                backend.gather(k_cache, v_cache, 0, table, lens, out_layout=out_layout,
-                               out=out, check_indices=False)
+                backend.gather(k_cache, v_cache, 0, table, lens, layout=layout,
+                               out_layout=out_layout, out=out, check_indices=False)
 
             params = dict(num_seqs=num_seqs, seq_len=GATHER_TOKENS, num_kv_heads=NUM_KV_HEADS,
                           head_dim=HEAD_DIM, page_size=PAGE_SIZE)
-            yield self.data_record("gather", backend, dtype, "NHD", out_layout,
+            yield self.data_record("gather", backend, dtype, layout, out_layout,
                                    f"{num_seqs} seq x {GATHER_TOKENS} tok", params, run,
                                    2 * (out[0].nbytes + out[1].nbytes))
 

@@ -89,7 +89,8 @@ def plot_gather(records: list[dict], path: str) -> None:
         matplotlib is not installed (the message says what to install).
     """
     plt = import_pyplot()
-    rows = [r for r in records if r["op"] == "gather" and r["out_layout"] == "BHTD"]
+    rows = [r for r in records if r["op"] == "gather" and r["out_layout"] == "BHTD"
+            and r["layout"] == "NHD"]
     if not rows:
         raise ConfigError("Invalid records: no gather results to plot")
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))  # in run order

@@ -147,7 +147,11 @@ class OrtDecoder:
     eos_token_id : int or iterable of int, optional
         Default end-of-sequence token(s); a request stops after emitting one.
     backend, layout : str
-        Of the :class:`~pagedkv_np.PagedKVCache`.
+        Of the :class:`~pagedkv_np.PagedKVCache`. The default store layout,
+        HND, keeps each head's positions together as the model's
+        ``[batch, kv_heads, T, head_dim]`` past and present do, so that page
+        writes and gathers move longer runs than with NHD (as fast or up
+        to 2x faster, most for 16-bit data).
     enable_prefix_caching : bool
         When False, every prompt is computed in full (for comparison).
     partial_page_reuse : bool
@@ -174,7 +178,7 @@ class OrtDecoder:
 
     def __init__(self, model: Any, *, num_pages: int = 512, page_size: int = 16,
                  max_batch_size: int = 8, eos_token_id: Any = None, backend: str = "auto",
-                 layout: str = "NHD", enable_prefix_caching: bool = True,
+                 layout: str = "HND", enable_prefix_caching: bool = True,
                  partial_page_reuse: bool = True, write_interval: int = 16,
                  family: str = "auto",
                  num_kv_heads: int | None = None,
