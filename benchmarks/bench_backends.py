@@ -60,6 +60,23 @@ class _Move:
     track_ratio_to_copy.unit = "ratio"
 
 
+def _gather_case(backend, dtype, store_layout, out_layout, size):
+    num_seqs, seq_len = map(int, size.split("x"))
+    pages_per_seq = -(-seq_len // PAGE_SIZE)
+    store = _store(backend, dtype, 1, num_seqs * pages_per_seq, store_layout)
+    page_table = _shuffled_pages(num_seqs * pages_per_seq).reshape(num_seqs, pages_per_seq)
+    seq_lens = np.full(num_seqs, seq_len, dtype=np.int32)
+    shape = ((num_seqs, NUM_KV_HEADS, seq_len, HEAD_DIM) if out_layout == "BHTD"
+             else (num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM))
+    out = (backend.zeros(shape, store.dtype), backend.zeros(shape, store.dtype))
+
+    def run():
+        backend.gather(store.k, store.v, 0, page_table, seq_lens, layout=store_layout,
+                       out_layout=out_layout, out=out, check_indices=False)
+
+    return with_sync(backend, run), 2 * (out[0].nbytes + out[1].nbytes), backend
+
+
 class Gather(_Move):
     """One layer of ``num_seqs`` sequences x ``seq_len`` tokens, NHD store,
     into preallocated BHTD or BTHD buffers."""
@@ -69,20 +86,22 @@ class Gather(_Move):
 
     @staticmethod
     def build(backend, dtype, layout, size):
-        num_seqs, seq_len = map(int, size.split("x"))
-        pages_per_seq = -(-seq_len // PAGE_SIZE)
-        store = _store(backend, dtype, 1, num_seqs * pages_per_seq, "NHD")
-        page_table = _shuffled_pages(num_seqs * pages_per_seq).reshape(num_seqs, pages_per_seq)
-        seq_lens = np.full(num_seqs, seq_len, dtype=np.int32)
-        shape = ((num_seqs, NUM_KV_HEADS, seq_len, HEAD_DIM) if layout == "BHTD"
-                 else (num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM))
-        out = (backend.zeros(shape, store.dtype), backend.zeros(shape, store.dtype))
+        return _gather_case(backend, dtype, "NHD", layout, size)
 
-        def run():
-            backend.gather(store.k, store.v, 0, page_table, seq_lens, out_layout=layout,
-                           out=out, check_indices=False)
+    def time_gather(self, *params):
+        self.run()
 
-        return with_sync(backend, run), 2 * (out[0].nbytes + out[1].nbytes), backend
+
+class GatherHND(_Move):
+    """:class:`Gather` from an HND store into BHTD buffers, the pairing that
+    ``OrtDecoder`` uses (each head's positions lie together on both sides)."""
+
+    params = [BACKENDS, DTYPES, ["4x256", "32x512"]]
+    param_names = ["backend", "dtype", "size"]
+
+    @staticmethod
+    def build(backend, dtype, size):
+        return _gather_case(backend, dtype, "HND", "BHTD", size)
 
     def time_gather(self, *params):
         self.run()
