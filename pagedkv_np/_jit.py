@@ -31,7 +31,10 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+
+if TYPE_CHECKING:
+    from .backends.numba_cpu import NumbaBackend
 
 __all__ = ["ENV_CACHE_DIR", "cache_dir", "resolve_cache_dir", "jit_kernel", "warmup"]
 
@@ -116,15 +119,17 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False) -> Any:
     path = cache_dir()
     if path is None:
         return numba.njit(cache=False, parallel=parallel)(func)
-    if config.BOUNDSCHECK:
+    # numba.config copies its options into its globals at run time (from the
+    # environment), so mypy sees none of them: hence the ignores below.
+    if config.BOUNDSCHECK:  # type: ignore[attr-defined]
         path = os.path.join(path, "boundscheck")
     with _LOCK:
-        saved = config.CACHE_DIR
-        config.CACHE_DIR = path
+        saved = config.CACHE_DIR  # type: ignore[attr-defined]
+        config.CACHE_DIR = path  # type: ignore[attr-defined]
         try:
             return numba.njit(cache=True, parallel=parallel)(func)
         finally:
-            config.CACHE_DIR = saved
+            config.CACHE_DIR = saved  # type: ignore[attr-defined]
 
 
 def warmup(
@@ -161,12 +166,13 @@ def warmup(
     from .layout import OutputLayout, StoreLayout, resolve_dtype
 
     start = time.perf_counter()
-    backend = get_backend("numba")
+    # the registry types it as a Backend; "numba" is the NumbaBackend
+    backend = cast("NumbaBackend", get_backend("numba"))
     dtypes = [resolve_dtype(d) for d in dtypes]
-    layouts = [StoreLayout.parse(x) for x in layouts]
-    out_layouts = [OutputLayout.parse(x, "out_layouts") for x in out_layouts]
+    store_layouts = [StoreLayout.parse(x) for x in layouts]
+    output_layouts = [OutputLayout.parse(x, "out_layouts") for x in out_layouts]
     for dtype in dtypes:
-        for layout in layouts:
-            for out_layout in out_layouts:
+        for layout in store_layouts:
+            for out_layout in output_layouts:
                 backend._warmup(dtype, layout, out_layout)
     return time.perf_counter() - start

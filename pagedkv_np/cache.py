@@ -78,7 +78,7 @@ class Sequence:
         self._version = 0                   # bumped when pages are reserved or released
         self._num_cached = 0
         self._digests: list[bytes] = []     # chained hashes of full pages
-        self._identities: list[tuple] = []  # index identity of each such page
+        self._identities: list[tuple | None] = []  # index identity of each such page
         self._num_indexed = 0               # leading pages offered to the index
         self._released = False
         # int32 mirror of _page_ids for plans, grown in place; entries from
@@ -535,7 +535,9 @@ class PagedKVCache:
         if limit <= 0:
             return 0
         parent = seq._identities[-1] if seq._identities else self.index.root(seq.salt)[1]
-        match = self.index.best_child(parent, tokens[num_cached:num_cached + limit].tobytes())
+        # identities fresh from add_sequence's lookup, never None (a collision)
+        match = self.index.best_child(parent,  # type: ignore[arg-type]
+                                      tokens[num_cached:num_cached + limit].tobytes())
         if match is None:
             return 0
         src, shared = match
@@ -620,6 +622,7 @@ class PagedKVCache:
         """
         page_size, index = self.page_size, self.index
         step = 8 * page_size
+        parent: tuple | None
         for i in range(seq._num_indexed, seq._num_written // page_size):
             if i == 0:
                 parent_digest, parent = index.root(seq.salt)

@@ -27,6 +27,7 @@ def _serve(model, prompts, budgets, args, prefix_caching: bool, label: str) -> d
                      max_batch_size=args.batch, enable_prefix_caching=prefix_caching)
     dec.generate([[1, 2, 3]], max_new_tokens=2)   # the session's first run is slow
     before = dec.stats
+    first: dict[int, float]   # request id -> time its first token arrived
     submitted, first, outputs = {}, {}, {}
     peak_pages, step, next_idx = 0, 0, 0
     start = time.perf_counter()
@@ -55,7 +56,7 @@ def _serve(model, prompts, budgets, args, prefix_caching: bool, label: str) -> d
         "peak_pages": peak_pages,
         "hit_rate": hits / queries if queries else 0.0,
         "preemptions": stats["num_preemptions"] - before["num_preemptions"],
-        "outputs": [dec.pop_output(r) for r in sorted(outputs, key=outputs.get)],
+        "outputs": [dec.pop_output(r) for r in sorted(outputs, key=outputs.__getitem__)],
     }
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 import numpy as np
 
@@ -44,9 +44,12 @@ __all__ = [
 ]
 
 
+_L = TypeVar("_L", bound="_Layout")
+
+
 class _Layout(str, enum.Enum):
     @classmethod
-    def parse(cls, value, name: str = "layout"):
+    def parse(cls: type[_L], value: Any, name: str = "layout") -> _L:
         """The member named ``value`` (any case), else :class:`LayoutError`."""
         if isinstance(value, cls):
             return value
@@ -78,7 +81,7 @@ if _BFLOAT16 is not None:
     SUPPORTED_DTYPES["bfloat16"] = _BFLOAT16
 
 # Unsigned integer dtype of the same width: kernels move bits, never values.
-_BITS = {4: np.dtype(np.uint32), 2: np.dtype(np.uint16)}
+_BITS: dict[int, np.dtype] = {4: np.dtype(np.uint32), 2: np.dtype(np.uint16)}
 
 
 def resolve_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
@@ -142,7 +145,7 @@ def check_array(
     shape: Sequence[int | None] | None = None,
     ndim: int | None = None,
     dtype: np.dtype | None = None,
-    array_type: type | tuple[type, ...] = np.ndarray,
+    array_type: type[Any] | tuple[type[Any], ...] = np.ndarray,
     contiguous: bool = False,
     writeable: bool = False,
 ) -> None:

@@ -39,7 +39,9 @@ class Plan:
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_ids: tuple[int, ...]
-    context_lens: np.ndarray = field(repr=False, default=None)
+    # None only in a Plan made by hand, which no cache accepts (its owner is
+    # 0): every plan that reaches the cache comes from build_plan with an array.
+    context_lens: np.ndarray = field(repr=False, default=None)  # type: ignore[arg-type]
     """int32 [B]: tokens already in the cache before this step."""
     _owner: int = field(repr=False, default=0)
     _epoch: int = field(repr=False, default=0)
@@ -127,8 +129,8 @@ def build_plan(
         page_table = np.array(flat, dtype=np.int32).reshape(num_seqs, max_pages)
     else:
         page_table = np.full((num_seqs, max_pages), -1, dtype=np.int32)
-        for b, pages in enumerate(page_arrays):
-            page_table[b, :len(pages)] = pages
+        for b, page_array in enumerate(page_arrays):
+            page_table[b, :len(page_array)] = page_array
     lens = np.array(seq_lens, dtype=np.int32).reshape(num_seqs)
     ctx = np.array(context_lens, dtype=np.int32).reshape(num_seqs)
     if sum(seq_lens) - sum(context_lens) <= LOOP_MAX_TOKENS:

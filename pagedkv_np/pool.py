@@ -234,10 +234,12 @@ class PagePool:
         if isinstance(page_id, bool) or not isinstance(page_id, numbers.Integral):
             raise DTypeError(f"Invalid {name}: expected an integer page id, "
                              f"got {type(page_id).__name__}")
-        if not 0 <= page_id < self.num_pages:
+        # compared as an int: the numbers.Integral ABC declares no ordering against int
+        value = int(page_id)
+        if not 0 <= value < self.num_pages:
             raise PageIdError(
                 f"Invalid {name}: expected 0 <= page id < {self.num_pages}, got {page_id}")
-        return int(page_id)
+        return value
 
     def _check_ids(self, page_ids, name: str) -> list[int]:
         if isinstance(page_ids, (str, bytes)) or not hasattr(page_ids, "__iter__"):

@@ -322,7 +322,7 @@ class PrefixIndex:
         for parent, children in self._children.items():
             assert children and len(children) <= MAX_CHILDREN
             for child in children:
-                entry = self._entries.get(child) or self._partials.get(child)
-                assert entry is not None and entry.parent == parent
+                child_entry = self._entries.get(child) or self._partials.get(child)
+                assert child_entry is not None and child_entry.parent == parent
                 listed.add(child)
         assert set(self._partials) <= listed

@@ -35,9 +35,11 @@ _STORE_DTYPES = frozenset(SUPPORTED_DTYPES.values())
 def _check_layer(layer: Any, num_layers: int) -> int:
     if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
         raise DTypeError(f"Invalid layer: expected an integer, got {type(layer).__name__}")
-    if not 0 <= layer < num_layers:
+    # compared as an int: the numbers.Integral ABC declares no ordering against int
+    layer_id = int(layer)
+    if not 0 <= layer_id < num_layers:
         raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, got {layer}")
-    return int(layer)
+    return layer_id
 
 
 def check_slot_mapping(slot_mapping: np.ndarray, num_slots: int) -> None:

@@ -111,7 +111,8 @@ class NumbaBackend(Backend):
     @classmethod
     def availability(cls) -> str | None:
         """``None`` when usable, else the reason it is not."""
-        if numba.config.DISABLE_JIT:
+        # set in numba.config's globals at run time, so unknown to mypy
+        if numba.config.DISABLE_JIT:  # type: ignore[attr-defined]
             return "NUMBA_DISABLE_JIT is set, and this backend needs compiled kernels"
         return None
 

@@ -7,7 +7,7 @@ the same bytes (:mod:`.timing`) and yields one record with the keys of
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypedDict
 
 import numpy as np
 
@@ -32,8 +32,20 @@ GATHER_SEQS, GATHER_TOKENS = 32, 2048
 FRESH_SPAN = 64 << 20
 POOL_SIZES = (1 << 10, 1 << 16, 1 << 20)
 
+
+class _Settings(TypedDict):
+    """How long and how often each case is timed, and which cases run."""
+
+    repeat: int
+    min_time: float
+    max_time: float
+    sweep: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    evict: bool
+
+
 # quick: a smoke run of seconds; full: steadier figures and the plot sweep.
-_SETTINGS = {
+_SETTINGS: dict[bool, _Settings] = {
     False: dict(repeat=9, min_time=0.05, max_time=2.0, sweep=(1, 2, 4, 8, 16, 32),
                 prompt_lens=(512, 4096, 32768), evict=True),
     True: dict(repeat=3, min_time=0.005, max_time=0.3, sweep=(1, 8, 32), prompt_lens=(4096,),
@@ -158,7 +170,7 @@ class _Runner:
     def gather(self, backend, dtype) -> Iterator[dict]:
         pages_per_seq = -(-GATHER_TOKENS // PAGE_SIZE)
         # Pages in a shuffled order, as after a while of serving.
-        page_table = np.random.default_rng(0).permutation(GATHER_SEQS * pages_per_seq)
+        page_table: np.ndarray = np.random.default_rng(0).permutation(GATHER_SEQS * pages_per_seq)
         page_table = page_table.astype(np.int32).reshape(GATHER_SEQS, pages_per_seq)
         seq_lens = np.full(GATHER_SEQS, GATHER_TOKENS, dtype=np.int32)
         cases = [(b, "NHD", "BHTD") for b in self.cfg["sweep"] if b != GATHER_SEQS]

@@ -84,7 +84,8 @@ class _Request:
     __slots__ = ("rid", "prompt", "max_new_tokens", "eos", "params", "rng", "salt",
                  "generated", "seq", "finished")
 
-    def __init__(self, rid, prompt, max_new_tokens, eos, params, rng, salt):
+    def __init__(self, rid: int, prompt: np.ndarray, max_new_tokens: int, eos: frozenset[int],
+                 params: SamplingParams, rng: np.random.Generator | None, salt: Any) -> None:
         self.rid = rid
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
@@ -93,7 +94,9 @@ class _Request:
         self.rng = rng
         self.salt = salt
         self.generated: list[int] = []
-        self.seq = None
+        # the cache Sequence while running, else None; Any because the running
+        # loop relies on that state instead of narrowing it on every token
+        self.seq: Any = None
         self.finished = False
 
     def all_tokens(self) -> np.ndarray:
@@ -106,6 +109,7 @@ def _load(model: Any):
     """(bytes or path for onnxruntime, ModelProto without weights for inspection)."""
     if isinstance(model, onnx.ModelProto):
         return model.SerializeToString(), model
+    source: bytes | str
     if isinstance(model, (bytes, bytearray)):
         source, what = bytes(model), "the model bytes"
         parse = lambda: onnx.load_from_string(source)  # noqa: E731
@@ -378,6 +382,7 @@ class OrtDecoder:
             raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
                              f"got {type(prompts).__name__}")
         prompts = list(prompts)
+        seeds: list[np.random.SeedSequence] | list[None]
         if temperature:
             try:
                 seeds = np.random.SeedSequence(seed).spawn(len(prompts))
@@ -401,7 +406,7 @@ class OrtDecoder:
         out of prompt tokens admitted (``prefix_query_tokens``), their ratio,
         pages, steps, preemptions and batch re-gathers."""
         cache = self.cache.stats
-        out = dict(self._counters)
+        out: dict[str, int | float] = dict(self._counters)
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         out.update(num_pages=cache.num_pages, pages_used=cache.pages_used,

@@ -47,8 +47,10 @@ FAMILIES = ("optimum", "gqa")
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PRESENT = re.compile(r"^present(?:_key_values)?\.(\d+)\.(key|value)$")
-_KV_DTYPES = {"tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16)}
-_INT_DTYPES = {"tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32)}
+_KV_DTYPES: dict[str, np.dtype] = {"tensor(float)": np.dtype(np.float32),
+                                   "tensor(float16)": np.dtype(np.float16)}
+_INT_DTYPES: dict[str, np.dtype] = {"tensor(int64)": np.dtype(np.int64),
+                                    "tensor(int32)": np.dtype(np.int32)}
 
 
 class UnsupportedModelError(PagedKVError, ValueError):

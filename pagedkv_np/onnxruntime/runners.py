@@ -141,7 +141,7 @@ class OptimumRunner(Runner):
 
     def reset(self) -> None:
         self._past: list[tuple[np.ndarray, np.ndarray]] = []
-        self._mask = None
+        self._mask: np.ndarray | None = None
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         # right padded with holes: sequence b holds positions [0, lens[b]); the
@@ -182,10 +182,10 @@ class GqaRunner(Runner):
 
     def reset(self) -> None:
         self._bufs: list[tuple[np.ndarray, np.ndarray]] = []
-        self._binding = None
-        self._logits = None
+        self._binding: Any = None   # an onnxruntime IOBinding (untyped) once a batch starts
+        self._logits: np.ndarray | None = None
         self._inputs: tuple = ()
-        self._next = None
+        self._next: np.ndarray | None = None
         self.capacity = 0
 
     def needs_gather(self, longest: int) -> bool:
@@ -224,7 +224,7 @@ class GqaRunner(Runner):
         ids = tokens.astype(io.input_ids_dtype).reshape(b, 1)
         binding.bind_cpu_input("input_ids", ids)
         binding.bind_cpu_input("attention_mask", mask)
-        inputs = (ids, mask)
+        inputs: tuple[np.ndarray, ...] = (ids, mask)
         if io.has_position_ids:
             pos = lens.astype(io.position_ids_dtype).reshape(b, 1)
             binding.bind_cpu_input("position_ids", pos)
@@ -238,7 +238,8 @@ class GqaRunner(Runner):
 
     def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         # sequence b's fed tokens sit at its positions: [next[b] - n, next[b])
-        cols = self._next[:, None] + np.arange(-n, 0)
+        # (_next is None only before the batch's first decode, which comes first)
+        cols = self._next[:, None] + np.arange(-n, 0)  # type: ignore[index]
         rows = np.arange(cols.shape[0])[:, None]
         # advanced indices around a slice: the result is [B, n, H, D]
         return [(_flat(k[rows, :, cols]), _flat(v[rows, :, cols])) for k, v in self._bufs]

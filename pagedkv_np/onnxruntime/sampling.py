@@ -81,5 +81,7 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     if params.top_p < 1.0:
         cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
         keep, probs = keep[:cut], probs[:cut] / probs[:cut].sum()
-    idx = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    # rng is None only with greedy params, which returned above
+    idx = int(np.searchsorted(np.cumsum(probs), rng.random(),  # type: ignore[union-attr]
+                              side="right"))
     return int(keep[min(idx, keep.shape[0] - 1)])

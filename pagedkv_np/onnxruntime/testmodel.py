@@ -380,8 +380,10 @@ def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
          outputs=["logits"])
 
     c, f32, i64 = config, TensorProto.FLOAT, TensorProto.INT64
-    kv_shape = ["batch_size", c.num_kv_heads, "past_sequence_length", c.head_dim]
-    present_shape = ["batch_size", c.num_kv_heads, "total_sequence_length", c.head_dim]
+    kv_shape: list[str | int] = ["batch_size", c.num_kv_heads, "past_sequence_length",
+                                 c.head_dim]
+    present_shape: list[str | int] = ["batch_size", c.num_kv_heads, "total_sequence_length",
+                                      c.head_dim]
     inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
               helper.make_tensor_value_info("attention_mask", i64,
                                             ["batch_size", "total_sequence_length"])]
