@@ -27,6 +27,20 @@ def test_store_shape_dtype_and_zero_fill(dtype, layout, shape):
     assert store.nbytes == store.num_pages * KVStore.bytes_per_page(2, 4, 3, 8, dtype)
 
 
+@pytest.mark.parametrize("backend", ["numpy", "numba"])
+@pytest.mark.parametrize("num_pages", [1, 7, 4096])
+def test_host_stores_and_outputs_start_on_a_cache_line(backend, num_pages):
+    # so that each K/V row of 64-byte multiples fills whole cache lines
+    be = get_backend(backend)
+    store = KVStore(1, 16, 8, 128, num_pages=num_pages, dtype="float16", backend=be)
+    assert store.k.ctypes.data % 64 == 0 and store.v.ctypes.data % 64 == 0
+    assert store.k.nbytes == num_pages * 16 * 8 * 128 * 2
+    k, v = be.gather(store.k, store.v, 0, np.zeros((3, 1), np.int32),
+                     np.array([16, 5, 0], np.int32))
+    assert k.ctypes.data % 64 == 0 and v.ctypes.data % 64 == 0
+    assert k.shape == (3, 16, 8, 128) and not k.view(np.uint16)[1, 5:].any()
+
+
 def test_bytes_per_page():
     assert KVStore.bytes_per_page(2, 16, 4, 64, "float16") == 2 * 2 * 16 * 4 * 64 * 2
     assert KVStore.bytes_per_page(1, 1, 1, 1, "float32") == 8

@@ -100,6 +100,24 @@ def check_page_pairs(src: np.ndarray, dst: np.ndarray, num_pages: int) -> None:
         raise PageStateError("Invalid dst_pages: a page is both a source and a destination")
 
 
+# Host arrays start on a cache line. NumPy's large allocations start 16 bytes
+# past one, so every K/V row of a store (a multiple of 64 bytes for the usual
+# head sizes) would straddle two lines, and a streaming store that fills only
+# part of a line costs a read-modify-write in memory: a decode write of 32
+# rows measured 3-5% slower that way.
+CACHE_LINE = 64
+
+
+def aligned_array(make: Any, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """``make(shape, dtype)`` (``np.zeros`` or ``np.empty``) whose data starts
+    on a :data:`CACHE_LINE` boundary: a view into a slightly larger buffer."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = make(nbytes + CACHE_LINE, dtype=np.uint8)
+    start = -raw.ctypes.data % CACHE_LINE
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
 class Backend:
     """Base class of the array backends.
 
@@ -113,13 +131,14 @@ class Backend:
 
     # ----------------------------------------------------------- array helpers
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """A zero-filled array of this backend."""
-        return np.zeros(shape, dtype=dtype)
+        """A zero-filled array of this backend, starting on a cache line."""
+        return aligned_array(np.zeros, shape, dtype)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An uninitialised array of this backend (``_gather`` writes every
-        element of its outputs, data or zero, so it needs no zero fill)."""
-        return np.empty(shape, dtype=dtype)
+        element of its outputs, data or zero, so it needs no zero fill),
+        starting on a cache line."""
+        return aligned_array(np.empty, shape, dtype)
 
     def asarray(self, x: Any) -> Any:
         """``x`` as an array of this backend (no copy when already one)."""

@@ -12,6 +12,7 @@ from typing import Any, Callable, Iterator, TypedDict
 import numpy as np
 
 from ..backends import available_backends, get_backend
+from ..backends.base import aligned_array
 from ..cache import PagedKVCache
 from ..errors import ConfigError
 from ..layout import resolve_dtype
@@ -134,7 +135,9 @@ class _Runner:
         buf = self._arena.get(name)
         if buf is None or buf.size < nbytes:
             self._arena.pop(name, None)  # free the smaller one first
-            buf = self._arena[name] = np.ones(nbytes, dtype=np.uint8)
+            # aligned as a store's arrays are (Backend.zeros)
+            buf = self._arena[name] = aligned_array(np.empty, (nbytes,), np.uint8)
+            buf.fill(1)
         return buf[:nbytes].view(dtype).reshape(shape)
 
     def store(self, backend, dtype, num_layers: int, num_pages: int, layout: str = "NHD"):
