@@ -36,7 +36,9 @@ def run_layers(cache, plan, seqs):
 
 
 def main():
-    cache = PagedKVCache(NUM_LAYERS, 32, 8, NUM_KV_HEADS, HEAD_DIM, dtype="float32")
+    # HND pages keep each head's positions together, as the BHTD gathers below want
+    cache = PagedKVCache(NUM_LAYERS, 32, 8, NUM_KV_HEADS, HEAD_DIM, dtype="float32",
+                         layout="HND")
     system = list(range(100, 120))                       # a 20-token system prompt
     prompts = {"a": system + [1, 2], "b": system + [3], "c": system + [4, 5, 6]}
     budgets = {"a": 12, "b": 4, "c": 6}                   # tokens each request generates

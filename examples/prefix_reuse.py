@@ -35,7 +35,9 @@ def serve(cache, prompt, salt=None):
 
 
 def main():
-    cache = PagedKVCache(NUM_LAYERS, 64, 16, NUM_KV_HEADS, HEAD_DIM, dtype="float32")
+    # HND pages keep each head's positions together, as the BHTD gathers below want
+    cache = PagedKVCache(NUM_LAYERS, 64, 16, NUM_KV_HEADS, HEAD_DIM, dtype="float32",
+                         layout="HND")
     system = list(range(500, 548))  # a 48-token system prompt
     questions = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
     for i, question in enumerate(questions):
