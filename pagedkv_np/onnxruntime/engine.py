@@ -55,6 +55,7 @@ from ..tokens import as_tokens
 from .model_io import UnsupportedModelError, discover, graph_facts
 from .runners import make_runner
 from .sampling import SamplingParams, sample
+from .textgen import TextGenerationMixin
 
 try:
     import onnx
@@ -135,7 +136,7 @@ def _make_rng(seed: Any) -> np.random.Generator:
         raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
 
 
-class OrtDecoder:
+class OrtDecoder(TextGenerationMixin):
     """Generate with an ONNX decoder, continuous batching and prefix reuse.
 
     Parameters
