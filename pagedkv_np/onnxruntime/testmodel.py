@@ -20,7 +20,9 @@ reads:
     keys, then all values.
 
 :func:`reference_logits` runs the same network in NumPy (no cache), so the
-ONNX graphs themselves can be checked. The LM head is scaled so that logits
+ONNX graphs themselves can be checked. The graph and the NumPy forward pass
+are those of :mod:`pagedkv_np.onnxruntime.graph`, which real-weight models
+are built with too. The LM head is scaled so that logits
 spread over tens of units: greedy argmax then does not hinge on rounding
 differences between batched and unbatched runs. Attention is sharpened (a
 larger query scale) so that the next token depends on the whole context, not
@@ -43,7 +45,6 @@ import numpy as np
 
 try:
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "pagedkv_np.onnxruntime.testmodel needs onnx: pip install 'pagedkv-np[onnx]'"
@@ -51,13 +52,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigError
 from ..layout import check_positive_int
+from .graph import FAMILIES, DecoderGeometry, build_decoder
+from .graph import reference_logits as graph_reference_logits
 
-__all__ = ["DecoderConfig", "FAMILIES", "make_weights", "build_model", "save_model",
-           "reference_logits", "main"]
-
-FAMILIES = ("optimum", "gqa")
-_OPSET = 17
-_MASK_VALUE = -1e9  # finite, so fully padded rows stay finite (no NaN spreads)
+__all__ = ["DecoderConfig", "FAMILIES", "make_weights", "geometry", "build_model",
+           "save_model", "reference_logits", "main"]
 
 
 @dataclass(frozen=True)
@@ -135,15 +134,14 @@ def make_weights(config: DecoderConfig) -> dict[str, np.ndarray]:
     return w
 
 
-def _rope_tables(config: DecoderConfig) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32 [max_positions, head_dim // 2]."""
-    half = config.head_dim // 2
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(half, dtype=np.float64) / half))
-    angles = np.arange(config.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-# --------------------------------------------------------------------- NumPy
+def geometry(config: DecoderConfig) -> DecoderGeometry:
+    """The graph geometry of the test decoder (separate LM head, no bias)."""
+    return DecoderGeometry(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        num_layers=config.num_layers, num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        intermediate_size=config.ffn_size, rope_theta=config.rope_theta,
+        rms_eps=config.rms_eps, max_positions=config.max_positions)
 
 
 def reference_logits(config: DecoderConfig, token_ids: Any,
@@ -161,181 +159,7 @@ def reference_logits(config: DecoderConfig, token_ids: Any,
     ndarray, shape [S, vocab_size], dtype float32
     """
     w = make_weights(config) if weights is None else weights
-    ids = np.asarray(token_ids, dtype=np.int64)
-    s, d, g = ids.shape[0], config.head_dim, config.num_groups
-    cos, sin = _rope_tables(config)
-    cos, sin = cos[:s][None], sin[:s][None]          # [1, S, D/2]
-
-    def rms(x, weight):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + config.rms_eps) * weight
-
-    def rope(x):                                    # [H, S, D]
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    causal = np.tril(np.ones((s, s), dtype=bool))
-    x = w["embed"][ids]
-    for i in range(config.num_layers):
-        h = rms(x, w[f"l{i}.attn_norm"])
-        q = rope((h @ w[f"l{i}.wq"]).reshape(s, config.num_heads, d).transpose(1, 0, 2))
-        k = rope((h @ w[f"l{i}.wk"]).reshape(s, config.num_kv_heads, d).transpose(1, 0, 2))
-        v = (h @ w[f"l{i}.wv"]).reshape(s, config.num_kv_heads, d).transpose(1, 0, 2)
-        k, v = np.repeat(k, g, axis=0), np.repeat(v, g, axis=0)
-        scores = q @ k.transpose(0, 2, 1) / np.sqrt(d)
-        scores = np.where(causal[None], scores, -np.inf)
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        attn = (scores / scores.sum(axis=-1, keepdims=True)) @ v
-        x = x + attn.transpose(1, 0, 2).reshape(s, -1) @ w[f"l{i}.wo"]
-        h = rms(x, w[f"l{i}.mlp_norm"])
-        gate = h @ w[f"l{i}.w_gate"]
-        x = x + (gate / (1.0 + np.exp(-gate)) * (h @ w[f"l{i}.w_up"])) @ w[f"l{i}.w_down"]
-    return (rms(x, w["final_norm"]) @ w["lm_head"]).astype(np.float32)
-
-
-# ---------------------------------------------------------------------- ONNX
-
-
-class _Graph:
-    """Collects nodes and initializers with unique names."""
-
-    def __init__(self) -> None:
-        self.nodes: list = []
-        self.initializers: list = []
-        self._count = 0
-
-    def _name(self, hint: str) -> str:
-        self._count += 1
-        return f"{hint}_{self._count}"
-
-    def const(self, value: Any, hint: str = "c", dtype: Any = None) -> str:
-        name = self._name(hint)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], hint: str | None = None, *,
-           outputs: list[str] | None = None, num_outputs: int = 1, domain: str = "",
-           **attrs: Any):
-        if outputs is None:
-            outputs = [self._name(hint or op_type.lower()) for _ in range(num_outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, outputs,
-                                           name=self._name(op_type), domain=domain, **attrs))
-        return outputs[0] if len(outputs) == 1 else outputs
-
-
-def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
-    ms = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
-    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(np.float32(eps))])])])
-    return g.op("Mul", [g.op("Mul", [x, inv]), weight])
-
-
-def _mlp(g: _Graph, x: str, w: dict[str, str], i: int, eps: float) -> str:
-    h = _rms_norm(g, x, w[f"l{i}.mlp_norm"], eps)
-    gate = g.op("MatMul", [h, w[f"l{i}.w_gate"]])
-    act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
-    up = g.op("MatMul", [h, w[f"l{i}.w_up"]])
-    return g.op("Add", [x, g.op("MatMul", [g.op("Mul", [act, up]), w[f"l{i}.w_down"]])])
-
-
-def _scalar_from_shape(g: _Graph, x: str, axis: int) -> str:
-    """int64 [1]: ``x.shape[axis]``."""
-    return g.op("Gather", [g.op("Shape", [x]), g.const(np.array([axis], np.int64))], axis=0)
-
-
-def _rotate(g: _Graph, x: str, cos: str, sin: str) -> str:
-    """Rotate-half RoPE of x [B, H, S, D] with cos/sin [B, 1, S, D/2]."""
-    x1, x2 = g.op("Split", [x], num_outputs=2, axis=-1)
-    first = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
-    second = g.op("Add", [g.op("Mul", [x2, cos]), g.op("Mul", [x1, sin])])
-    return g.op("Concat", [first, second], axis=-1)
-
-
-def _optimum_layers(g: _Graph, c: DecoderConfig, w: dict[str, str], x: str,
-                    position_ids: str | None) -> str:
-    d, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-    one = g.const(np.array([1], np.int64))
-    past_len = _scalar_from_shape(g, "past_key_values.0.key", 2)
-    seq_len = _scalar_from_shape(g, "input_ids", 1)
-    total_len = _scalar_from_shape(g, "attention_mask", 1)
-    if position_ids is None:
-        # positions from the mask: the k-th unmasked column is position k
-        running = g.op("CumSum", ["attention_mask", g.const(np.array(1, np.int64))])
-        running = g.op("Sub", [running, g.const(np.array(1, np.int64))])
-        running = g.op("Slice", [running, past_len, total_len, one])
-        position_ids = g.op("Max", [running, g.const(np.array(0, np.int64))])
-    cos_tab, sin_tab = _rope_tables(c)
-    cos = g.op("Unsqueeze", [g.op("Gather", [g.const(cos_tab, "cos"), position_ids]),
-                             one])
-    sin = g.op("Unsqueeze", [g.op("Gather", [g.const(sin_tab, "sin"), position_ids]),
-                             one])
-    # additive mask [B, 1, S, T]: key j is visible to query i iff j <= past + i and
-    # attention_mask[b, j] == 1
-    zero_i = g.const(np.array(0, np.int64))
-    one_i = g.const(np.array(1, np.int64))
-    cols = g.op("Range", [zero_i, g.op("Squeeze", [total_len]), one_i])
-    rows = g.op("Range", [g.op("Squeeze", [past_len]),
-                          g.op("Squeeze", [g.op("Add", [past_len, seq_len])]), one_i])
-    causal = g.op("LessOrEqual", [g.op("Unsqueeze", [cols, g.const(np.array([0], np.int64))]),
-                                  g.op("Unsqueeze", [rows, one])])                # [S, T]
-    keep = g.op("Cast", ["attention_mask"], to=TensorProto.BOOL)
-    keep = g.op("Unsqueeze", [keep, g.const(np.array([1, 2], np.int64))])       # [B,1,1,T]
-    allowed = g.op("And", [g.op("Unsqueeze", [causal, g.const(np.array([0, 1], np.int64))]),
-                           keep])
-    bias = g.op("Where", [allowed, g.const(np.float32(0.0)), g.const(np.float32(_MASK_VALUE))])
-    if c.num_groups > 1:
-        # queries are grouped as [B, kv_heads, groups * S, D]: repeat mask rows per group
-        bias = g.op("Tile", [bias, g.const(np.array([1, 1, c.num_groups, 1], np.int64))])
-    scale = g.const(np.float32(1.0 / np.sqrt(d)))
-    for i in range(c.num_layers):
-        h = _rms_norm(g, x, w[f"l{i}.attn_norm"], c.rms_eps)
-
-        def heads(t: str, n: int) -> str:
-            t = g.op("Reshape", [t, g.const(np.array([0, 0, n, d], np.int64))])
-            return g.op("Transpose", [t], perm=[0, 2, 1, 3])
-
-        q = _rotate(g, heads(g.op("MatMul", [h, w[f"l{i}.wq"]]), nh), cos, sin)
-        k = _rotate(g, heads(g.op("MatMul", [h, w[f"l{i}.wk"]]), nkv), cos, sin)
-        v = heads(g.op("MatMul", [h, w[f"l{i}.wv"]]), nkv)
-        k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2,
-                     outputs=[f"present.{i}.key"])
-        v_all = g.op("Concat", [f"past_key_values.{i}.value", v], axis=2,
-                     outputs=[f"present.{i}.value"])
-        qg = g.op("Reshape", [q, g.const(np.array([0, nkv, -1, d], np.int64))])
-        scores = g.op("MatMul", [qg, g.op("Transpose", [k_all], perm=[0, 1, 3, 2])])
-        scores = g.op("Add", [g.op("Mul", [scores, scale]), bias])
-        attn = g.op("MatMul", [g.op("Softmax", [scores], axis=-1), v_all])
-        attn = g.op("Reshape", [attn, g.const(np.array([0, nh, -1, d], np.int64))])
-        attn = g.op("Transpose", [attn], perm=[0, 2, 1, 3])
-        attn = g.op("Reshape", [attn, g.const(np.array([0, 0, nh * d], np.int64))])
-        x = g.op("Add", [x, g.op("MatMul", [attn, w[f"l{i}.wo"]])])
-        x = _mlp(g, x, w, i, c.rms_eps)
-    return x
-
-
-def _gqa_layers(g: _Graph, c: DecoderConfig, w: dict[str, str], x: str) -> str:
-    # seqlens_k = valid tokens - 1 (right padding), total = mask width, as the
-    # genai builder wires them
-    total = g.op("ReduceSum", ["attention_mask", g.const(np.array([1], np.int64))], keepdims=0)
-    seqlens_k = g.op("Cast", [g.op("Sub", [total, g.const(np.array(1, np.int64))])],
-                     to=TensorProto.INT32)
-    total_len = g.op("Cast", [g.op("Squeeze", [_scalar_from_shape(g, "attention_mask", 1)])],
-                     to=TensorProto.INT32)
-    cos_tab, sin_tab = _rope_tables(c)
-    cos, sin = g.const(cos_tab, "cos_cache"), g.const(sin_tab, "sin_cache")
-    for i in range(c.num_layers):
-        h = _rms_norm(g, x, w[f"l{i}.attn_norm"], c.rms_eps)
-        q = g.op("MatMul", [h, w[f"l{i}.wq"]])
-        k = g.op("MatMul", [h, w[f"l{i}.wk"]])
-        v = g.op("MatMul", [h, w[f"l{i}.wv"]])
-        attn = g.op(
-            "GroupQueryAttention",
-            [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
-             seqlens_k, total_len, cos, sin],
-            outputs=[g._name("gqa_out"), f"present.{i}.key", f"present.{i}.value"],
-            domain="com.microsoft", num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
-            do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
-        x = g.op("Add", [x, g.op("MatMul", [attn, w[f"l{i}.wo"]])])
-        x = _mlp(g, x, w, i, c.rms_eps)
-    return x
+    return graph_reference_logits(geometry(config), dict(w), token_ids)
 
 
 def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
@@ -364,50 +188,8 @@ def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
     config = replace(config or DecoderConfig(), **sizes)
     if family not in FAMILIES:
         raise ConfigError(f"Invalid family: expected one of {FAMILIES}, got {family!r}")
-    weights = make_weights(config)
-    g = _Graph()
-    w = {}
-    for name, value in weights.items():
-        w[name] = name
-        g.initializers.append(numpy_helper.from_array(value, name))
-    x = g.op("Gather", [w["embed"], "input_ids"], axis=0)
-    use_positions = family == "optimum" and position_ids
-    if family == "optimum":
-        x = _optimum_layers(g, config, w, x, "position_ids" if use_positions else None)
-    else:
-        x = _gqa_layers(g, config, w, x)
-    g.op("MatMul", [_rms_norm(g, x, w["final_norm"], config.rms_eps), w["lm_head"]],
-         outputs=["logits"])
-
-    c, f32, i64 = config, TensorProto.FLOAT, TensorProto.INT64
-    kv_shape: list[str | int] = ["batch_size", c.num_kv_heads, "past_sequence_length",
-                                 c.head_dim]
-    present_shape: list[str | int] = ["batch_size", c.num_kv_heads, "total_sequence_length",
-                                      c.head_dim]
-    inputs = [helper.make_tensor_value_info("input_ids", i64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", i64,
-                                            ["batch_size", "total_sequence_length"])]
-    if use_positions:
-        inputs.append(helper.make_tensor_value_info("position_ids", i64,
-                                                    ["batch_size", "sequence_length"]))
-    if family == "optimum":   # interleaved per layer, as torch exports list them
-        order = [(i, kind) for i in range(c.num_layers) for kind in ("key", "value")]
-    else:                     # all keys, then all values, as the genai builder does
-        order = [(i, kind) for kind in ("key", "value") for i in range(c.num_layers)]
-    inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
-               for i, kind in order]
-    outputs = [helper.make_tensor_value_info("logits", f32,
-                                             ["batch_size", "sequence_length", c.vocab_size])]
-    outputs += [helper.make_tensor_value_info(f"present.{i}.{kind}", f32, present_shape)
-                for i, kind in order]
-    graph = helper.make_graph(g.nodes, f"pagedkv_test_decoder_{family}", inputs, outputs,
-                              g.initializers)
-    opsets = [helper.make_opsetid("", _OPSET)]
-    if family == "gqa":
-        opsets.append(helper.make_opsetid("com.microsoft", 1))
-    model = helper.make_model(graph, opset_imports=opsets, producer_name="pagedkv_np")
-    model.ir_version = 8
-    return model
+    return build_decoder(geometry(config), dict(make_weights(config)), family=family,
+                         position_ids=position_ids, name=f"pagedkv_test_decoder_{family}")
 
 
 def save_model(model: "onnx.ModelProto", path: str) -> None:
