@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import signal
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterable
@@ -350,4 +351,15 @@ def run_server(decoder: Any, *, model_id: str, host: str = "127.0.0.1", port: in
     app = create_app(engine, model_id=model_id, api_keys=api_keys)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=int(graceful_timeout))
-    uvicorn.Server(config).run()
+    # uvicorn raises the signal it stopped on again once it is done; a
+    # shutdown that went as planned should end the process with status 0
+    previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _ignore(signum: int, frame: Any) -> None:
+    """A signal that has already been handled."""

@@ -336,8 +336,16 @@ class EngineLoop:
                 self._finish(job, Update(delta + job.stream.finish(), reason, *counts))
             elif delta:
                 job.emit(Update(delta))
+        # requests that ended in this step without a new token
+        for rid in finished or ():
+            ended = self._active.get(rid)
+            if ended is not None:
+                reason = self._reason(ended, None)
+                counts = self._counts(ended)
+                self._forget(rid)
+                self._finish(ended, Update(ended.stream.finish(), reason, *counts))
 
-    def _reason(self, job: Job, last_token: int) -> str:
+    def _reason(self, job: Job, last_token: int | None) -> str:
         status = getattr(self.decoder, "status", None)
         if status is not None:
             reason = status(job.rid).finish_reason
