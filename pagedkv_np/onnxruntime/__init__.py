@@ -23,5 +23,24 @@ from .engine import OrtDecoder, RequestNotFound
 from .model_io import ModelIO, UnsupportedModelError
 from .sampling import SamplingParams
 
+from .textgen import TextIterator, TextUnavailable
+
 __all__ = ["OrtDecoder", "RequestNotFound", "ModelIO", "UnsupportedModelError",
-           "SamplingParams"]
+           "SamplingParams", "TextIterator", "TextUnavailable"]
+
+# Text names need the models extra (tokenizers, jinja2), so they are imported
+# on first use: the engine itself runs without them.
+_TEXT_EXPORTS = {"TextCodec": "text", "ChatTemplateError": "text",
+                 "ModelFolderError": "text", "MissingModelFile": "text",
+                 "Detokenizer": "streaming", "StopMatcher": "streaming",
+                 "TextStream": "streaming", "ModelFolder": "pretrained",
+                 "ModelUnavailable": "pretrained", "from_pretrained": "pretrained"}
+
+
+def __getattr__(name: str):
+    module = _TEXT_EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)

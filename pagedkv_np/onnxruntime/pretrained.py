@@ -272,9 +272,10 @@ def resolve_model(model: Any = None, *, weights: str | None = None,
         if not os.path.isfile(path):
             raise MissingModelFile(f"Invalid model: no file {path!r}")
         # imported here: the GGUF reader is an optional dependency needed only now
-        gguf_import = importlib.import_module(".gguf_import", __package__)
+        from .gguf_import import import_gguf
+
         options = {k: v for k, v in (("weights", weights), ("family", family)) if v is not None}
-        return load_folder(gguf_import.import_gguf(path, **options))
+        return load_folder(import_gguf(path, **options))
     if weights is not None:
         raise ConfigError(f"Invalid weights: {weights!r} applies to .gguf files only; a "
                           "folder's graph is used as it is")
