@@ -38,7 +38,7 @@ def numpy_greedy() -> list[int]:
 
 
 def small(folder, **kw) -> OrtDecoder:
-    return OrtDecoder.from_pretrained(folder, num_pages=32, page_size=8, max_batch_size=2, **kw)
+    return OrtDecoder.from_pretrained(folder, num_pages=80, page_size=8, max_batch_size=2, **kw)
 
 
 def edit_json(path, **changes) -> None:
@@ -50,6 +50,14 @@ def edit_json(path, **changes) -> None:
             data[key] = value
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def check_context_cap(dec: OrtDecoder) -> None:
+    """A request may use the context length's positions, not one more."""
+    prompt = [7] * (tf.CONTEXT - 5)
+    dec.abort(dec.add_request(prompt, max_new_tokens=6))    # 512 positions fed
+    with pytest.raises(ConfigError, match=str(tf.CONTEXT)):
+        dec.add_request(prompt, max_new_tokens=7)
 
 
 # --------------------------------------------------------------- loading
@@ -65,7 +73,8 @@ def test_optimum_folder(tmp_path):
     dec = small(tmp_path)
     assert dec.io.family == "optimum" and dec.io.head_dim == tf.CONFIG.head_dim
     assert dec.eos_token_ids == {tf.EOS_ID}
-    assert dec.context_length == dec.io.max_positions == tf.CONTEXT
+    assert dec.context_length == tf.CONTEXT
+    check_context_cap(dec)
     assert dec.generate([PROMPT], max_new_tokens=NEW, eos_token_id=[]) == [numpy_greedy()]
 
 
@@ -90,7 +99,7 @@ def test_genai_folder_symbolic_dims_and_external_data(tmp_path, heads_symbolic):
     assert folder.context_length == tf.CONTEXT and folder.eos_token_ids == (tf.EOS_ID,)
     dec = small(tmp_path)
     assert dec.io.family == "gqa"
-    assert dec.io.max_positions == tf.CONTEXT    # capped below the rotary table's 4096
+    check_context_cap(dec)     # below the rotary table's 4096 positions
     assert dec.generate([PROMPT], max_new_tokens=NEW, eos_token_id=[]) == [numpy_greedy()]
 
 

@@ -28,6 +28,7 @@ The engine form, for callers that drive ``step`` themselves::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -216,6 +217,9 @@ class TextGenerationMixin:
         kwargs = folder.engine_kwargs()
         if family is not None:
             kwargs["family"] = family
+        takes_limit = "max_positions" in inspect.signature(cls).parameters
+        if takes_limit:
+            kwargs["max_positions"] = folder.context_length
         kwargs.update(engine_kwargs)
         factory: Any = cls
         dec = factory(folder.model_path, **kwargs)
@@ -223,7 +227,8 @@ class TextGenerationMixin:
         dec.model_folder = folder
         dec.context_length = folder.context_length
         limit = dec.io.max_positions
-        if limit is None or limit > folder.context_length:
+        if not takes_limit and (limit is None or limit > folder.context_length):
+            # an engine without its own limit reads the one of its graph's I/O
             dec.io = dataclasses.replace(dec.io, max_positions=folder.context_length)
         return dec
 
