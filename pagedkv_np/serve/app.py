@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import hmac
 import signal
+import threading
 import time
 import uuid
 from typing import Any, AsyncIterator, Iterable
@@ -99,6 +101,40 @@ class _Metered:
         await self.app(scope, receive, counted)
 
 
+class _Mailbox:
+    """Carries the engine thread's updates onto the event loop.
+
+    One step updates every running request; a ``call_soon_threadsafe`` per
+    update would wake the loop (a write to its self-pipe) that many times.
+    Updates posted while a delivery is pending join it: one wake-up per burst.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Update]] = []   # guarded by _lock
+        self._scheduled = False                                # guarded by _lock
+
+    def post(self, queue: asyncio.Queue, update: Update) -> None:
+        """Queue ``update`` for ``queue`` (any thread)."""
+        with self._lock:
+            self._items.append((queue, update))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:   # the event loop has closed: nobody is listening
+            pass
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for queue, update in items:
+            queue.put_nowait(update)
+
+
 class _Server:
     """The request handlers of one app (state shared by its routes)."""
 
@@ -108,6 +144,7 @@ class _Server:
         self.api_keys = tuple(api_keys)
         self.prompts = PromptBuilder(engine.decoder)
         self.created = int(time.time())
+        self.mailbox: _Mailbox | None = None   # made on the event loop, at the first request
 
     # ------------------------------------------------------------ helpers
     def tenant(self, request: Request) -> str | None:
@@ -170,15 +207,10 @@ class _Server:
         req = parse_chat(data) if kind == "chat" else parse_completion(data)
         ids = self.prompts.prompt_ids(req)
         max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
-        loop = asyncio.get_running_loop()
+        if self.mailbox is None:
+            self.mailbox = _Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
-
-        def emit(update: Update) -> None:   # engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, update)
-            except RuntimeError:   # the event loop has closed: nobody is listening
-                pass
-
+        emit = functools.partial(self.mailbox.post, queue)
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                     "seed": req.seed}
         job = Job(ids, max_tokens, self.prompts.text_stream(req), emit, sampling=sampling,
@@ -227,39 +259,50 @@ class _Server:
 
     async def stream(self, job: Job, queue: asyncio.Queue, req: GenerationRequest,
                      response_id: str, created: int, model: str) -> AsyncIterator[bytes]:
-        chat = req.kind == "chat"
         finished = False
         try:
-            if chat:
+            if req.kind == "chat":
                 yield sse(chat_chunk(response_id, created, model,
                                      {"role": "assistant", "content": ""}))
-            while True:
-                update: Update = await queue.get()
-                if update.finish_reason in ("error", "abort"):
-                    finished = True
-                    err = (_api_error(update.error) if update.error is not None
-                           else _shutdown_error())
-                    yield sse(err.to_json())
-                    break
-                if update.text:
-                    yield sse(chat_chunk(response_id, created, model, {"content": update.text})
-                              if chat else completion_chunk(response_id, created, model,
-                                                            update.text))
-                if update.finish_reason is not None:
-                    finished = True
-                    reason = update.finish_reason
-                    yield sse(chat_chunk(response_id, created, model, {}, reason) if chat
-                              else completion_chunk(response_id, created, model, "", reason))
-                    if req.include_usage:
-                        usage = usage_json(update.num_prompt_tokens,
-                                           update.num_completion_tokens,
-                                           update.num_cached_tokens)
-                        yield sse(usage_chunk(req.kind, response_id, created, model, usage))
-                    break
-            yield SSE_DONE
+            while not finished:
+                # everything that has arrived goes out in one write
+                updates = [await queue.get()]
+                while not queue.empty():
+                    updates.append(queue.get_nowait())
+                out: list[bytes] = []
+                for update in updates:
+                    out.extend(_events(update, req, response_id, created, model))
+                    finished = update.finish_reason is not None
+                    if finished:
+                        out.append(SSE_DONE)
+                        break
+                yield b"".join(out)
         finally:
             if not finished:   # the client went away (or the server is cancelling us)
                 self.engine.cancel(job)
+
+
+def _events(update: Update, req: GenerationRequest, response_id: str, created: int,
+            model: str) -> list[bytes]:
+    """The server-sent events of one update."""
+    chat = req.kind == "chat"
+    if update.finish_reason in ("error", "abort"):
+        err = _api_error(update.error) if update.error is not None else _shutdown_error()
+        return [sse(err.to_json())]
+    out = []
+    if update.text:
+        out.append(sse(chat_chunk(response_id, created, model, {"content": update.text})
+                       if chat else completion_chunk(response_id, created, model,
+                                                     update.text)))
+    reason = update.finish_reason
+    if reason is not None:
+        out.append(sse(chat_chunk(response_id, created, model, {}, reason) if chat
+                       else completion_chunk(response_id, created, model, "", reason)))
+        if req.include_usage:
+            usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
+                               update.num_cached_tokens)
+            out.append(sse(usage_chunk(req.kind, response_id, created, model, usage)))
+    return out
 
 
 def _shutdown_error() -> APIError:

