@@ -175,6 +175,14 @@ def test_template_whitespace_control_and_builtins():
         'GEN<E>')
 
 
+def test_template_variables_default_to_none():
+    codec = TextCodec(tf.tokenizer(), chat_template=(
+        "{% if tools is not none %}TOOLS {{ tools | tojson }} {% endif %}"
+        "{% if documents is not none %}DOCS {% endif %}{{ messages | length }}"))
+    assert codec.apply_chat_template(MESSAGES) == "2"
+    assert codec.apply_chat_template(MESSAGES, tools=[{"name": "f"}]) == 'TOOLS [{"name": "f"}] 2'
+
+
 def test_template_errors_are_typed(codec):
     raising = TextCodec(tf.tokenizer(), chat_template=(
         "{% if messages[0]['role'] == 'system' %}"

@@ -320,7 +320,9 @@ class TextCodec:
         """
         messages = check_messages(messages)
         template = self._template(template_name)
-        context = dict(variables, messages=messages,
+        # tools and documents are None unless given, as templates test them
+        # with ``is not none``
+        context = dict({"tools": None, "documents": None}, **variables, messages=messages,
                        add_generation_prompt=bool(add_generation_prompt),
                        bos_token=self.bos_token or "", eos_token=self.eos_token or "")
         try:
