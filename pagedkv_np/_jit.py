@@ -31,7 +31,7 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, cast
 
 if TYPE_CHECKING:
     from .backends.numba_cpu import NumbaBackend
@@ -106,19 +106,22 @@ def cache_dir() -> str | None:
         return _resolved
 
 
-def jit_kernel(func: Callable | None = None, *, parallel: bool = False) -> Any:
+def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
+               error_model: Literal["python", "numpy"] = "python") -> Any:
     """``numba.njit`` with this package's cache policy (see the module docstring).
 
-    Use as ``@jit_kernel`` or ``@jit_kernel(parallel=True)``.
+    Use as ``@jit_kernel`` or ``@jit_kernel(parallel=True)``. ``error_model``
+    is Numba's: ``"numpy"`` drops the zero-divisor check of every float
+    division (for kernels that divide only by values they checked).
     """
     if func is None:
-        return lambda f: jit_kernel(f, parallel=parallel)
+        return lambda f: jit_kernel(f, parallel=parallel, error_model=error_model)
     import numba
     from numba.core import config
 
     path = cache_dir()
     if path is None:
-        return numba.njit(cache=False, parallel=parallel)(func)
+        return numba.njit(cache=False, parallel=parallel, error_model=error_model)(func)
     # numba.config copies its options into its globals at run time (from the
     # environment), so mypy sees none of them: hence the ignores below.
     if config.BOUNDSCHECK:  # type: ignore[attr-defined]
@@ -127,7 +130,7 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False) -> Any:
         saved = config.CACHE_DIR  # type: ignore[attr-defined]
         config.CACHE_DIR = path  # type: ignore[attr-defined]
         try:
-            return numba.njit(cache=True, parallel=parallel)(func)
+            return numba.njit(cache=True, parallel=parallel, error_model=error_model)(func)
         finally:
             config.CACHE_DIR = saved  # type: ignore[attr-defined]
 

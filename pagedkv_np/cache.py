@@ -36,7 +36,7 @@ from .backends import Backend, get_backend
 from .backends.base import _check_layer
 from .errors import (ConfigError, DTypeError, OutOfPages, SequenceError, ShapeError,
                      StalePlanError)
-from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
+from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype
 from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
@@ -165,7 +165,10 @@ class PagedKVCache:
     ----------
     num_layers, num_pages, page_size, num_kv_heads, head_dim : int
         Sizes. ``num_pages`` may be ``None`` when ``memory_bytes`` is given.
-    dtype : {"float32", "float16", "bfloat16"}
+    dtype : {"float32", "float16", "bfloat16", "int8"}
+        ``"int8"`` stores codes and scales (see :mod:`pagedkv_np.quant`):
+        :meth:`write` quantizes float32, float16 or bfloat16 K/V and
+        :meth:`gather` dequantizes into any of those.
     layout : {"NHD", "HND"}
         Store layout (see :mod:`pagedkv_np.layout`).
     backend : str or Backend
@@ -366,9 +369,7 @@ class PagedKVCache:
         pages = self.pool.allocate(needed) if needed else []
         if self._last_page_shared(seq):
             src, dst = seq._page_ids[-1], pages.pop()
-            self.backend.copy_pages(self.store.k, self.store.v,
-                                    np.array([src], np.int32), np.array([dst], np.int32),
-                                    layout=self.layout, check_indices=False)
+            self.store.copy_pages(np.array([src], np.int32), np.array([dst], np.int32))
             seq._page_ids[-1] = dst
             seq._num_synced = min(seq._num_synced, len(seq._page_ids) - 1)
             self.pool.free([src])
@@ -457,7 +458,9 @@ class PagedKVCache:
         plan : Plan
             From :meth:`plan` of this cache, still current.
         k, v : array, shape [plan.num_new_tokens, num_kv_heads, head_dim], dtype of the cache
-            New tokens of the plan's sequences, concatenated in plan order.
+            New tokens of the plan's sequences, concatenated in plan order
+            (for an int8 cache: float32, float16 or bfloat16). They must not
+            share memory with the store.
         """
         with self._lock:
             self._check_plan(plan)
@@ -467,9 +470,17 @@ class PagedKVCache:
             store, backend = self.store, self.backend
             if type(layer) is not int or not 0 <= layer < store.num_layers:
                 layer = _check_layer(layer, store.num_layers)
+            if store.quant is not None:
+                backend.write_quantized(store.k, store.v, store.k_scale, store.v_scale, layer,
+                                        plan.slot_mapping, k, v, layout=store.layout,
+                                        check_indices=False)
+                if plan._mark_written(layer):
+                    self._plan_written(plan)
+                return
             shape = (plan.slot_mapping.shape[0], store.num_kv_heads, store.head_dim)
             check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
             check_array(v, "v", shape=shape, dtype=store.dtype, array_type=backend.array_types)
+            backend.check_sources((k, v), (store.k, store.v))
             if shape[0]:
                 backend._write(*self._kernel_store, layer, plan.slot_mapping, k, v, store.layout)
             if plan._mark_written(layer):
@@ -477,7 +488,7 @@ class PagedKVCache:
 
     def gather(self, layer: int, plan: Plan, layout: "str | OutputLayout" = "BHTD",
                out: tuple[Any, Any] | None = None,
-               num_positions: int | None = None) -> tuple[Any, Any]:
+               num_positions: int | None = None, dtype: Any = None) -> tuple[Any, Any]:
         """Gather one layer's K/V of the plan's sequences into contiguous arrays.
 
         Parameters
@@ -489,6 +500,9 @@ class PagedKVCache:
             C-contiguous buffers to fill, ``T >= max(plan.seq_lens)``.
         num_positions : int, optional
             ``T`` of newly allocated buffers (default ``max(plan.seq_lens)``).
+        dtype : {"float32", "float16", "bfloat16"}, optional
+            For an int8 cache, the dtype K/V are dequantized into (that of
+            ``out`` when given, else float32); otherwise the cache's dtype.
 
         Returns
         -------
@@ -497,6 +511,15 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
+            store = self.store
+            if store.quant is not None:
+                return self.backend.gather_quantized(
+                    store.k, store.v, store.k_scale, store.v_scale, layer, plan.page_table,
+                    plan.seq_lens, layout=store.layout, out_layout=layout, out=out,
+                    num_positions=num_positions, dtype=dtype, check_indices=False)
+            if dtype is not None and resolve_dtype(dtype) != store.dtype:
+                raise DTypeError(f"Invalid dtype: a {store.dtype} cache gathers {store.dtype}, "
+                                 f"got {dtype!r}")
             return self.backend.gather(self.store.k, self.store.v, layer, plan.page_table,
                                        plan.seq_lens, layout=self.store.layout,
                                        out_layout=layout, out=out,
@@ -546,9 +569,7 @@ class PagedKVCache:
             if not self.pool.can_allocate(1):
                 return 0
             dst = self.pool.allocate(1)[0]
-            self.backend.copy_pages(self.store.k, self.store.v, np.array([src], np.int32),
-                                    np.array([dst], np.int32), layout=self.layout,
-                                    check_indices=False)
+            self.store.copy_pages(np.array([src], np.int32), np.array([dst], np.int32))
         finally:
             self.pool.free([src])
         seq._page_ids.append(dst)

@@ -81,7 +81,8 @@ if _BFLOAT16 is not None:
     SUPPORTED_DTYPES["bfloat16"] = _BFLOAT16
 
 # Unsigned integer dtype of the same width: kernels move bits, never values.
-_BITS: dict[int, np.dtype] = {4: np.dtype(np.uint32), 2: np.dtype(np.uint16)}
+_BITS: dict[int, np.dtype] = {4: np.dtype(np.uint32), 2: np.dtype(np.uint16),
+                              1: np.dtype(np.uint8)}
 
 
 def resolve_dtype(dtype: Any, name: str = "dtype") -> np.dtype:

@@ -17,6 +17,7 @@ import numpy as np
 from .backends.base import Backend
 from .errors import ConfigError, DTypeError
 from .layout import StoreLayout, check_positive_int, resolve_dtype, store_shape
+from .quant import resolve_quant
 
 __all__ = ["KVStore"]
 
@@ -33,7 +34,9 @@ class KVStore:
     memory_bytes : int, optional
         Budget for K and V together; ``num_pages`` is the largest count that
         fits (at least 1, else :class:`ConfigError`).
-    dtype : {"float32", "float16", "bfloat16"}
+    dtype : {"float32", "float16", "bfloat16", "int8"}
+        ``"int8"`` keeps int8 codes in ``k``/``v`` and their float32 scales
+        in ``k_scale``/``v_scale`` (see :mod:`pagedkv_np.quant`).
     layout : {"NHD", "HND"}
     backend : Backend
         Allocates the arrays (host or device memory).
@@ -56,7 +59,8 @@ class KVStore:
         self.page_size = check_positive_int(page_size, "page_size")
         self.num_kv_heads = check_positive_int(num_kv_heads, "num_kv_heads")
         self.head_dim = check_positive_int(head_dim, "head_dim")
-        self.dtype = resolve_dtype(dtype)
+        self.quant = resolve_quant(dtype)  # the int8 format, None for a float store
+        self.dtype = self.quant.code_dtype if self.quant is not None else resolve_dtype(dtype)
         self.layout = StoreLayout.parse(layout)
         if (num_pages is None) == (memory_bytes is None):
             raise ConfigError("give exactly one of num_pages and memory_bytes")
@@ -79,17 +83,41 @@ class KVStore:
                                  self.page_size, self.num_kv_heads, self.head_dim)
         self.k = backend.zeros(self.shape, self.dtype)
         self.v = backend.zeros(self.shape, self.dtype)
+        self.k_scale: Any = None
+        self.v_scale: Any = None
+        if self.quant is not None:  # the page geometry of k and v, a scale per group
+            scale_shape = (*self.shape[:4], self.quant.num_groups(self.head_dim))
+            self.k_scale = backend.zeros(scale_shape, self.quant.scale_dtype)
+            self.v_scale = backend.zeros(scale_shape, self.quant.scale_dtype)
+        self.backend = backend
+
+    def copy_pages(self, src_pages: np.ndarray, dst_pages: np.ndarray) -> None:
+        """Copy whole pages, every layer, K and V (and their scales), through
+        the backend; ``src_pages``/``dst_pages`` are int32 [n], checked by
+        the caller."""
+        self.backend.copy_pages(self.k, self.v, src_pages, dst_pages, layout=self.layout,
+                                check_indices=False)
+        if self.quant is not None:
+            self.backend.copy_pages(self.k_scale, self.v_scale, src_pages, dst_pages,
+                                    layout=self.layout, check_indices=False)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int,
                        head_dim: int, dtype: Any) -> int:
-        """Bytes of K plus V for one page id across all layers."""
-        return 2 * num_layers * page_size * num_kv_heads * head_dim * resolve_dtype(dtype).itemsize
+        """Bytes of K plus V (and their scales) for one page id across all layers."""
+        fmt = resolve_quant(dtype)
+        if fmt is None:
+            row = head_dim * resolve_dtype(dtype).itemsize
+        else:
+            row = (head_dim * fmt.code_dtype.itemsize
+                   + fmt.num_groups(head_dim) * fmt.scale_dtype.itemsize)
+        return 2 * num_layers * page_size * num_kv_heads * row
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by K and V together."""
-        return int(self.k.nbytes + self.v.nbytes)
+        """Bytes held by K and V together (with their scales)."""
+        scales = 0 if self.quant is None else self.k_scale.nbytes + self.v_scale.nbytes
+        return int(self.k.nbytes + self.v.nbytes + scales)
 
     def __repr__(self) -> str:
         return (f"KVStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.value}, "

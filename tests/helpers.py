@@ -90,7 +90,7 @@ def common_prefix(a, b) -> int:
 
 def bits(x: np.ndarray) -> np.ndarray:
     """``x`` as unsigned integers of its width, for bit-exact comparisons."""
-    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
 # ------------------------------------------------------------------ snapshot

@@ -467,3 +467,248 @@ def test_copy_pages_invalid(backend, small):
     with pytest.raises(DTypeError, match="src_pages"):
         backend.copy_pages(stores.k, stores.v, np.array([0], np.int64), np.array([1], np.int64))
     stores.assert_unchanged(snap)
+
+
+# ---------------------------------------------------------------- aliasing
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_write_refuses_a_source_that_aliases_the_store(backend, layout):
+    """K/V rows read from the store itself: a kernel writing in its own order
+    would read rows it has already overwritten, so every backend refuses."""
+    rng = np.random.default_rng(60)
+    stores = Stores(backend, rng, layout=layout, dtype="float32", page_size=4, num_pages=6)
+    snap = stores.snapshot()
+    slots = np.array([9, 10, 11, 12], np.int32)
+    # four rows of layer 0's page 1 (NHD) or of its first head and beyond (HND)
+    src = stores.k[0, 1] if layout == "NHD" else stores.k[0, 1].transpose(1, 0, 2)
+    src = src[:, :NUM_HEADS] if layout == "NHD" else src
+    other = backend.asarray(np.zeros((4, NUM_HEADS, HEAD_DIM), np.float32))
+    with pytest.raises(ShapeError, match="Invalid k: it shares memory with the store"):
+        backend.write(stores.k, stores.v, 0, slots, src, other, layout=layout)
+    with pytest.raises(ShapeError, match="Invalid v: it shares memory with the store"):
+        backend.write(stores.k, stores.v, 0, slots, other, stores.v[1, 2, :4][:, :NUM_HEADS]
+                      if layout == "NHD" else stores.v[1, 2].transpose(1, 0, 2), layout=layout)
+    stores.assert_unchanged(snap)
+
+
+def test_cache_write_refuses_a_source_that_aliases_the_store(backend):
+    from pagedkv_np import PagedKVCache
+
+    cache = PagedKVCache(1, 6, 4, NUM_HEADS, HEAD_DIM, backend=backend, dtype="float32")
+    seq = cache.add_sequence([1, 2, 3, 4, 5])
+    cache.extend(seq, [1, 2, 3, 4, 5])
+    plan = cache.plan([seq])
+    src = cache.v_cache.reshape(-1)[:5 * NUM_HEADS * HEAD_DIM].reshape(5, NUM_HEADS, HEAD_DIM)
+    ok = backend.asarray(np.ones((5, NUM_HEADS, HEAD_DIM), np.float32))
+    before = host(backend, cache.k_cache).copy()
+    with pytest.raises(ShapeError, match="shares memory with the store"):
+        cache.write(0, plan, src, ok)
+    assert_same_bits(host(backend, cache.k_cache), before)
+
+
+# -------------------------------------------------------------- int8 stores
+Q_HEAD_DIMS = [8, 64]
+
+
+def quant_inputs(rng, shape, dtype) -> np.ndarray:
+    """K/V values over many magnitudes, with every edge the format defines:
+    NaN, infinities, subnormals, all-zero groups, groups whose scale would be
+    subnormal, the largest finite values and exact halves of a step."""
+    dtype = resolve_dtype(dtype)
+    n, h, d = shape
+    x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-3, 3, (n, h, 1))
+    finfo_max = float(np.finfo(np.float16).max) if dtype == np.float16 else 3.0e38
+    edges = [np.nan, np.inf, -np.inf, 1e-40, -1e-39, 0.0, finfo_max, -finfo_max]
+    x[0, 0, :len(edges[:d])] = edges[:d]
+    x[1 % n] = 0.0                                  # all-zero heads
+    x[2 % n, 0] = 1e-37 * rng.standard_normal(d)    # a subnormal scale, stored as 0
+    x[3 % n, 0] = np.arange(d) % 7 - 3.5            # halves of the step 1... after scaling
+    x[3 % n, 0, 0] = 127.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        return x.astype(np.float32).astype(dtype)
+
+
+class QStores:
+    """The same random int8 store (codes and scales) on ``backend`` and the host."""
+
+    def __init__(self, backend, rng, *, layout, page_size, num_pages, head_dim=HEAD_DIM):
+        self.backend = backend
+        store = KVStore(NUM_LAYERS, page_size, NUM_HEADS, head_dim, num_pages=num_pages,
+                        dtype="int8", layout=layout, backend=backend)
+        self.ref = [rng.integers(-127, 128, store.shape).astype(np.int8) for _ in range(2)]
+        # scales over the whole range (16-bit outputs meet subnormals and
+        # overflow), zeros among them
+        for _ in range(2):
+            s = (2.0 ** rng.uniform(-126, 100, store.k_scale.shape)).astype(np.float32)
+            s[rng.random(s.shape) < 0.05] = 0
+            self.ref.append(s)
+        for arr, ref in zip(self.arrays(store), self.ref):
+            arr[...] = backend.asarray(ref)
+        self.store = store
+
+    @staticmethod
+    def arrays(store):
+        return store.k, store.v, store.k_scale, store.v_scale
+
+    def assert_matches_reference(self) -> None:
+        for arr, ref in zip(self.arrays(self.store), self.ref):
+            assert_same_bits(host(self.backend, arr), ref)
+
+
+@pytest.mark.parametrize("head_dim", Q_HEAD_DIMS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_quantized_matches_reference(backend, dtype, layout, page_size, head_dim):
+    rng = np.random.default_rng(70 + page_size + head_dim)
+    num_pages = max(4, 64 // page_size)
+    stores = QStores(backend, rng, layout=layout, page_size=page_size, num_pages=num_pages,
+                     head_dim=head_dim)
+    num_tokens = min(40, num_pages * page_size)
+    slots = random_slots(rng, num_tokens, num_pages * page_size, num_skipped=5)
+    k = quant_inputs(rng, (num_tokens, NUM_HEADS, head_dim), dtype)
+    v = quant_inputs(rng, (num_tokens, NUM_HEADS, head_dim), dtype)[::-1].copy()
+    backend.write_quantized(*QStores.arrays(stores.store), LAYER, slots, backend.asarray(k),
+                            backend.asarray(v), layout=layout)
+    REF.write_quantized(*stores.ref, LAYER, slots, k, v, layout=layout)
+    stores.assert_matches_reference()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_quantized_strided_input(backend, dtype, layout):
+    rng = np.random.default_rng(71)
+    stores = QStores(backend, rng, layout=layout, page_size=16, num_pages=8)
+    num_tokens = 20
+    slots = random_slots(rng, num_tokens, 8 * 16, num_skipped=3)
+    heads_first = quant_inputs(rng, (NUM_HEADS, num_tokens, HEAD_DIM), dtype)
+    every_other = quant_inputs(rng, (2 * num_tokens, NUM_HEADS, HEAD_DIM), dtype)
+    k = backend.asarray(heads_first).transpose(1, 0, 2)
+    v = backend.asarray(every_other)[::2]
+    backend.write_quantized(*QStores.arrays(stores.store), LAYER, slots, k, v, layout=layout)
+    REF.write_quantized(*stores.ref, LAYER, slots, heads_first.transpose(1, 0, 2),
+                        every_other[::2], layout=layout)
+    stores.assert_matches_reference()
+
+
+@pytest.mark.parametrize("head_dim", Q_HEAD_DIMS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("out_layout", OUT_LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gather_quantized_matches_reference(backend, dtype, layout, out_layout, page_size,
+                                            head_dim):
+    rng = np.random.default_rng(80 + page_size + head_dim)
+    seq_lens = edge_seq_lens(page_size)
+    stores = QStores(backend, rng, layout=layout, page_size=page_size,
+                     num_pages=pages_for(seq_lens, page_size), head_dim=head_dim)
+    table = make_page_table(rng, seq_lens, page_size, stores.store.num_pages)
+    num_positions = int(seq_lens.max()) + 3
+    shape = ((len(seq_lens), num_positions, NUM_HEADS, head_dim) if out_layout == "BTHD"
+             else (len(seq_lens), NUM_HEADS, num_positions, head_dim))
+    out = tuple(backend.asarray(random_bits(rng, shape, dtype)) for _ in range(2))
+    got = backend.gather_quantized(*QStores.arrays(stores.store), LAYER, table, seq_lens,
+                                   layout=layout, out_layout=out_layout, out=out)
+    assert got[0] is out[0] and got[1] is out[1]
+    want = REF.gather_quantized(*stores.ref, LAYER, table, seq_lens, layout=layout,
+                                out_layout=out_layout, num_positions=num_positions,
+                                dtype=dtype)
+    for g, w in zip(got, want):
+        assert_same_bits(host(backend, g), w)
+    # allocated outputs: float32 unless asked
+    fresh = backend.gather_quantized(*QStores.arrays(stores.store), LAYER, table, seq_lens,
+                                     layout=layout, out_layout=out_layout)
+    assert host(backend, fresh[0]).dtype == np.float32
+    stores.assert_matches_reference()  # gather reads only
+
+
+@pytest.mark.parametrize("out_layout", OUT_LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_write_then_gather_round_trip(backend, dtype, layout, out_layout):
+    rng = np.random.default_rng(90)
+    page_size = 16
+    seq_lens = edge_seq_lens(page_size)
+    stores = QStores(backend, rng, layout=layout, page_size=page_size,
+                     num_pages=pages_for(seq_lens, page_size), head_dim=64)
+    table = make_page_table(rng, seq_lens, page_size, stores.store.num_pages)
+    slots = np.concatenate([table[b, np.arange(n) // page_size] * page_size
+                            + np.arange(n) % page_size
+                            for b, n in enumerate(seq_lens)]).astype(np.int32)
+    k = quant_inputs(rng, (slots.size, NUM_HEADS, 64), dtype)
+    v = quant_inputs(rng, (slots.size, NUM_HEADS, 64), dtype)
+    backend.write_quantized(*QStores.arrays(stores.store), 0, slots, backend.asarray(k),
+                            backend.asarray(v), layout=layout)
+    gk, gv = backend.gather_quantized(*QStores.arrays(stores.store), 0, table, seq_lens,
+                                      layout=layout, out_layout=out_layout, dtype=dtype)
+    gk, gv = host(backend, gk), host(backend, gv)
+    from pagedkv_np.quant import dequantize, quantize
+
+    at = 0
+    for b, n in enumerate(seq_lens):
+        for got, new in ((gk, k), (gv, v)):
+            rows = got[b, :n] if out_layout == "BTHD" else got[b, :, :n].transpose(1, 0, 2)
+            assert_same_bits(np.ascontiguousarray(rows),
+                             dequantize(*quantize(new[at:at + n]), dtype))
+        at += n
+
+
+@pytest.mark.parametrize("out_layout", OUT_LAYOUTS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_quantized_large_batch(backend, layout, out_layout):
+    """Several MiB each way: the engines' parallel paths."""
+    rng = np.random.default_rng(91)
+    page_size, head_dim = 16, 128
+    seq_lens = np.array([1000, 17, 2048, 0, 1536, 16], np.int32)
+    num_pages = pages_for(seq_lens, page_size)
+    stores = QStores(backend, rng, layout=layout, page_size=page_size, num_pages=num_pages,
+                     head_dim=head_dim)
+    slots = random_slots(rng, 3000, num_pages * page_size, num_skipped=40)
+    k = quant_inputs(rng, (3000, NUM_HEADS, head_dim), "bfloat16")
+    backend.write_quantized(*QStores.arrays(stores.store), 1, slots, backend.asarray(k),
+                            backend.asarray(k), layout=layout)
+    REF.write_quantized(*stores.ref, 1, slots, k, k, layout=layout)
+    stores.assert_matches_reference()
+    table = make_page_table(rng, seq_lens, page_size, num_pages)
+    for dtype in ("float32", "float16"):
+        got = backend.gather_quantized(*QStores.arrays(stores.store), 1, table, seq_lens,
+                                       layout=layout, out_layout=out_layout, dtype=dtype)
+        want = REF.gather_quantized(*stores.ref, 1, table, seq_lens, layout=layout,
+                                    out_layout=out_layout, dtype=dtype)
+        for g, w in zip(got, want):
+            assert_same_bits(host(backend, g), w)
+
+
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_copy_pages_of_an_int8_store(backend, layout, page_size):
+    rng = np.random.default_rng(92 + page_size)
+    stores = QStores(backend, rng, layout=layout, page_size=page_size, num_pages=12)
+    order = rng.permutation(12).astype(np.int32)
+    src, dst = order[:4], order[4:8]
+    stores.store.copy_pages(src, dst)
+    REF.copy_pages(stores.ref[0], stores.ref[1], src, dst, layout=layout)
+    REF.copy_pages(stores.ref[2], stores.ref[3], src, dst, layout=layout)
+    stores.assert_matches_reference()
+
+
+def test_plain_write_and_gather_refuse_an_int8_store(backend):
+    rng = np.random.default_rng(93)
+    stores = QStores(backend, rng, layout="NHD", page_size=4, num_pages=4)
+    k = backend.asarray(np.zeros((1, NUM_HEADS, HEAD_DIM), np.int8))
+    with pytest.raises(DTypeError, match="write_quantized"):
+        backend.write(stores.store.k, stores.store.v, 0, np.zeros(1, np.int32), k, k)
+    with pytest.raises(DTypeError, match="gather_quantized"):
+        backend.gather(stores.store.k, stores.store.v, 0, np.zeros((1, 1), np.int32),
+                       np.ones(1, np.int32))
+    stores.assert_matches_reference()
+
+
+def test_quantized_write_refuses_a_source_that_aliases_the_scales(backend):
+    rng = np.random.default_rng(94)
+    stores = QStores(backend, rng, layout="NHD", page_size=4, num_pages=4)
+    flat = stores.store.k_scale.reshape(-1)
+    src = flat[:NUM_HEADS * HEAD_DIM].reshape(1, NUM_HEADS, HEAD_DIM)
+    with pytest.raises(ShapeError, match="Invalid k: it shares memory with the store"):
+        backend.write_quantized(*QStores.arrays(stores.store), 0, np.zeros(1, np.int32), src,
+                                src.copy())
+    stores.assert_matches_reference()

@@ -78,12 +78,14 @@ def _add_and_write(cache: pk.PagedKVCache, prompt, seed: int, salt=None) -> pk.S
 
 
 class World:
-    """Populated caches that every case runs against (built fresh per case)."""
+    """Populated caches that every case runs against (built fresh per case),
+    with a float32 or an int8 store."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, dtype: str = "float32") -> None:
         self.backend = pk.get_backend(backend)
         c = self.cache = pk.PagedKVCache(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS,
-                                         HEAD_DIM, backend=backend, hash_secret=SECRET)
+                                         HEAD_DIM, backend=backend, hash_secret=SECRET,
+                                         dtype=dtype)
         self.a = _add_and_write(c, list(range(1, 11)), seed=1)          # 3 pages
         gone = _add_and_write(c, list(range(50, 59)), seed=2)
         c.release(gone)                                                   # 2 evictable pages
@@ -98,7 +100,7 @@ class World:
         self.plan = c.plan([self.a, self.b])
 
         self.other = pk.PagedKVCache(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS,
-                                     HEAD_DIM, backend=backend, hash_secret=SECRET)
+                                     HEAD_DIM, backend=backend, hash_secret=SECRET, dtype=dtype)
         self.foreign_seq = _add_and_write(self.other, [1, 2, 3], seed=5)
         self.foreign_plan = self.other.plan([self.foreign_seq])
 
@@ -139,8 +141,15 @@ class World:
         args = dict(k_cache=self.cache.store.k, v_cache=self.cache.store.v, layer=0,
                     slot_mapping=self.i32(self.free_page * PAGE_SIZE), k=self.rows(1),
                     v=self.rows(1), layout=self.cache.layout)
+        store = self.cache.store
+        if store.quant is not None:
+            args.update(k_scale=store.k_scale, v_scale=store.v_scale)
         args.update(kw)
         layout = args.pop("layout")
+        if store.quant is not None:
+            return self.backend.write_quantized(
+                *[args.pop(n) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "layer",
+                                        "slot_mapping", "k", "v")], layout=layout)
         return self.backend.write(*[args.pop(n) for n in ("k_cache", "v_cache", "layer",
                                                           "slot_mapping", "k", "v")],
                                   layout=layout)
@@ -149,7 +158,14 @@ class World:
         args = dict(k_cache=self.cache.store.k, v_cache=self.cache.store.v, layer=0,
                     page_table=np.array([[self.a.page_ids[0]]], np.int32),
                     seq_lens=self.i32(PAGE_SIZE), layout=self.cache.layout)
+        store = self.cache.store
+        if store.quant is not None:
+            args.update(k_scale=store.k_scale, v_scale=store.v_scale)
         args.update(kw)
+        if store.quant is not None:
+            pos = [args.pop(n) for n in ("k_cache", "v_cache", "k_scale", "v_scale", "layer",
+                                         "page_table", "seq_lens")]
+            return self.backend.gather_quantized(*pos, **args)
         pos = [args.pop(n) for n in ("k_cache", "v_cache", "layer", "page_table", "seq_lens")]
         return self.backend.gather(*pos, **args)
 
@@ -210,12 +226,23 @@ class Case:
     error: type | tuple[type, ...]
     names: str                      # the argument the message must name
     prepare: Callable[[World], Any] | None = None   # runs before the snapshot
+    dtypes: tuple[str, ...] = ("float32", "int8")   # store dtypes of the worlds it runs in
+
+
+_F = ("float32",)   # only meaningful for a float store
+_Q = ("int8",)      # only for an int8 store
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
     a = a.view()
     a.flags.writeable = False
     return a
+
+
+def _scale_view(w: World, which: str, t: int) -> np.ndarray:
+    """A float32 [1, t, H, D] array over the memory of a scale array."""
+    scales = getattr(w.cache.store, which)
+    return scales.reshape(-1)[:t * NUM_KV_HEADS * HEAD_DIM].reshape(1, t, NUM_KV_HEADS, HEAD_DIM)
 
 
 def _noncontig_out(w: World, t: int):
@@ -281,7 +308,8 @@ CASES: list[Case] = [
     # ----------------------------------------------------------------- KVStore
     C("store-layers-zero", lambda w: w.new_store(num_layers=0), ConfigError, "num_layers"),
     C("store-head-dim-float", lambda w: w.new_store(head_dim=3.0), DTypeError, "head_dim"),
-    C("store-dtype-int8", lambda w: w.new_store(dtype="int8"), DTypeError, "dtype"),
+    C("store-dtype-int16", lambda w: w.new_store(dtype="int16"), DTypeError, "dtype"),
+    C("store-dtype-uint8", lambda w: w.new_store(dtype=np.uint8), DTypeError, "dtype"),
     C("store-dtype-float64", lambda w: w.new_store(dtype=np.float64), DTypeError, "dtype"),
     C("store-layout-unknown", lambda w: w.new_store(layout="NTHD"), LayoutError, "layout"),
     C("store-both-sizes", lambda w: w.new_store(memory_bytes=10**6), ConfigError, "num_pages"),
@@ -338,6 +366,25 @@ CASES: list[Case] = [
       lambda w: w.be_write(v_cache=w.cache.store.k, k=w.rows(1) + 1, v=w.rows(1) + 2),
       ShapeError, "v_cache"),
     C("be-write-layout-unknown", lambda w: w.be_write(layout="NTHD"), LayoutError, "layout"),
+    C("be-write-k-aliases-store",
+      lambda w: w.be_write(k=w.cache.store.k[0, w.free_page, :1]), ShapeError, "k", dtypes=_F),
+    C("be-write-v-aliases-k-store",
+      lambda w: w.be_write(v=w.cache.store.k[1, w.free_page, :1]), ShapeError, "v", dtypes=_F),
+    C("be-write-k-aliases-scales",
+      lambda w: w.be_write(k=_scale_view(w, "k_scale", 1)[0]), ShapeError, "k", dtypes=_Q),
+    C("be-write-v-aliases-scales",
+      lambda w: w.be_write(v=_scale_view(w, "v_scale", 1)[0]), ShapeError, "v", dtypes=_Q),
+    C("be-write-scale-float16",
+      lambda w: w.be_write(k_scale=w.cache.store.k_scale.astype(np.float16)),
+      DTypeError, "k_scale", dtypes=_Q),
+    C("be-write-scale-wrong-shape",
+      lambda w: w.be_write(v_scale=w.cache.store.v_scale[:, :, :1].copy()),
+      ShapeError, "v_scale", dtypes=_Q),
+    C("be-write-scales-shared",
+      lambda w: w.be_write(v_scale=w.cache.store.k_scale), ShapeError, "v_scale", dtypes=_Q),
+    C("be-write-k-float64-int8-store", lambda w: w.be_write(k=w.rows(1, np.float64),
+                                                            v=w.rows(1, np.float64)),
+      DTypeError, "k", dtypes=_Q),
     # -------------------------------------------------------- backend.gather
     C("be-gather-table-int64",
       lambda w: w.be_gather(page_table=np.array([[w.a.page_ids[0]]], np.int64)),
@@ -369,7 +416,19 @@ CASES: list[Case] = [
       ShapeError, "out[0]"),
     C("be-gather-out-wrong-dtype",
       lambda w: w.be_gather(out_layout="BHTD", out=w.out(1, PAGE_SIZE, np.float16)),
+      DTypeError, "out[0]", dtypes=_F),
+    C("be-gather-out-float64",
+      lambda w: w.be_gather(out_layout="BHTD", out=w.out(1, PAGE_SIZE, np.float64)),
       DTypeError, "out[0]"),
+    C("be-gather-out-not-the-dtype-asked",
+      lambda w: w.be_gather(out_layout="BHTD", out=w.out(1, PAGE_SIZE), dtype="float16"),
+      DTypeError, "out[0]", dtypes=_Q),
+    C("be-gather-dtype-int8", lambda w: w.be_gather(dtype="int8"), DTypeError, "dtype",
+      dtypes=_Q),
+    C("be-gather-out-aliases-scales",
+      lambda w: w.be_gather(out_layout="BTHD", out=(_scale_view(w, "k_scale", PAGE_SIZE),
+                                                    _scale_view(w, "v_scale", PAGE_SIZE))),
+      ShapeError, "out", dtypes=_Q),
     C("be-gather-out-too-short",
       lambda w: w.be_gather(out_layout="BHTD", out=w.out(1, PAGE_SIZE - 1)), ShapeError, "out[0]"),
     C("be-gather-out-wrong-batch",
@@ -386,7 +445,7 @@ CASES: list[Case] = [
       lambda w: w.be_gather(out_layout="BTHD",
                             out=(w.cache.store.k[0, w.free_page:w.free_page + 1],
                                  w.cache.store.v[0, w.free_page:w.free_page + 1])),
-      ShapeError, "out"),
+      ShapeError, "out", dtypes=_F),
     C("be-gather-num-positions-float", lambda w: w.be_gather(num_positions=8.0),
       DTypeError, "num_positions"),
     C("be-gather-num-positions-too-small", lambda w: w.be_gather(num_positions=PAGE_SIZE - 1),
@@ -490,6 +549,14 @@ CASES: list[Case] = [
       lambda w: w.cache.write(0, w.plan, w.rows(0), np.zeros((0, NUM_KV_HEADS, HEAD_DIM + 1),
                                                              np.float32)),
       ShapeError, "v"),
+    C("write-k-aliases-store",
+      lambda w: w.cache.write(0, w.short_plan, w.cache.store.k[0, w.free_page, :3], w.rows(3)),
+      ShapeError, "k", prepare=lambda w: setattr(w, "short_plan", w.cache.plan([w.unplanned])),
+      dtypes=_F),
+    C("write-v-aliases-scales",
+      lambda w: w.cache.write(0, w.short_plan, w.rows(3), _scale_view(w, "v_scale", 3)[0]),
+      ShapeError, "v", prepare=lambda w: setattr(w, "short_plan", w.cache.plan([w.unplanned])),
+      dtypes=_Q),
     # --------------------------------------------------------------- gather
     C("gather-stale-plan", lambda w: w.cache.gather(0, w.stale_plan), StalePlanError, "plan"),
     C("gather-layout-unknown", lambda w: w.cache.gather(0, w.plan, layout="HBTD"),
@@ -508,7 +575,20 @@ CASES: list[Case] = [
       lambda w: w.cache.gather(0, w.short_plan, layout="BTHD",
                                out=(w.cache.store.k[0, w.free_page:w.free_page + 1],
                                     w.cache.store.v[0, w.free_page:w.free_page + 1])),
-      ShapeError, "out", prepare=lambda w: setattr(w, "short_plan", w.cache.plan([w.unplanned]))),
+      ShapeError, "out", prepare=lambda w: setattr(w, "short_plan", w.cache.plan([w.unplanned])),
+      dtypes=_F),
+    C("gather-out-aliases-scales",
+      lambda w: w.cache.gather(0, w.short_plan, layout="BTHD",
+                               out=(_scale_view(w, "k_scale", 3), _scale_view(w, "v_scale", 3))),
+      ShapeError, "out", prepare=lambda w: setattr(w, "short_plan", w.cache.plan([w.unplanned])),
+      dtypes=_Q),
+    C("gather-dtype-unknown", lambda w: w.cache.gather(0, w.plan, dtype="int8"),
+      DTypeError, "dtype"),
+    C("gather-dtype-not-the-caches", lambda w: w.cache.gather(0, w.plan, dtype="float16"),
+      DTypeError, "dtype", dtypes=_F),
+    C("gather-dtype-not-the-outs",
+      lambda w: w.cache.gather(0, w.plan, out=w.out(2, 10), dtype="bfloat16"),
+      DTypeError, "out", dtypes=_Q),
     C("gather-num-positions-too-small", lambda w: w.cache.gather(0, w.plan, num_positions=9),
       ShapeError, "num_positions"),
     C("gather-num-positions-str", lambda w: w.cache.gather(0, w.plan, num_positions="12"),
@@ -662,6 +742,10 @@ def _ids() -> list[str]:
     return [c.id for c in CASES]
 
 
+STORE_DTYPES = ["float32", "int8"]
+CASE_PARAMS = [pytest.param(c, d, id=f"{c.id}-{d}") for c in CASES for d in c.dtypes]
+
+
 def test_catalogue_is_large_and_ids_are_unique():
     print(f"\nmalformed-call catalogue: {NUM_CASES} cases x {len(CPU_BACKENDS)} backend(s) "
           f"{CPU_BACKENDS}")
@@ -670,9 +754,10 @@ def test_catalogue_is_large_and_ids_are_unique():
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("case", CASES, ids=_ids())
-def test_malformed_call_raises_typed_error_and_changes_nothing(case: Case, backend: str):
-    world = World(backend)
+@pytest.mark.parametrize("case, dtype", CASE_PARAMS)
+def test_malformed_call_raises_typed_error_and_changes_nothing(case: Case, dtype: str,
+                                                               backend: str):
+    world = World(backend, dtype)
     if case.prepare is not None:
         case.prepare(world)
     world.cache.check_invariants()
@@ -693,14 +778,15 @@ def test_malformed_call_raises_typed_error_and_changes_nothing(case: Case, backe
     assert not changed, f"a failed call changed {changed}"
 
 
+@pytest.mark.parametrize("dtype", STORE_DTYPES)
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_world_is_usable_after_every_failure(backend: str):
+def test_world_is_usable_after_every_failure(backend: str, dtype: str):
     """One world takes every failing call in a row and still serves correct data."""
-    world = World(backend)
+    world = World(backend, dtype)
     expected_k, expected_v = world.cache.gather(0, world.plan)
     num_failed = 0
     for case in CASES:
-        if case.prepare is not None:
+        if case.prepare is not None or dtype not in case.dtypes:
             continue
         try:
             case.call(world)

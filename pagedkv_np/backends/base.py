@@ -24,12 +24,16 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, PageIdError, PageStateError, ShapeError
-from ..layout import SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, describe
+from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, describe,
+                      resolve_dtype)
+from ..quant import QUANT_DTYPES, group_size
 
 __all__ = ["Backend", "INDEX_DTYPE"]
 
 INDEX_DTYPE = np.dtype(np.int32)
 _STORE_DTYPES = frozenset(SUPPORTED_DTYPES.values())
+_CODE_DTYPES = frozenset(fmt.code_dtype for fmt in QUANT_DTYPES.values())
+_SCALE_DTYPE = QUANT_DTYPES["int8"].scale_dtype
 
 
 def _check_layer(layer: Any, num_layers: int) -> int:
@@ -154,12 +158,16 @@ class Backend:
         return np.may_share_memory(a, b)
 
     # ------------------------------------------------------------------ checks
-    def _check_store(self, k_cache: Any, v_cache: Any, layout: StoreLayout) -> tuple:
+    def _check_store(self, k_cache: Any, v_cache: Any, layout: StoreLayout,
+                     codes: bool = False) -> tuple:
         check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
                     contiguous=True, writeable=True)
-        if k_cache.dtype not in _STORE_DTYPES:
+        if k_cache.dtype not in _STORE_DTYPES and not (codes and k_cache.dtype in _CODE_DTYPES):
+            expected = sorted(SUPPORTED_DTYPES) + (sorted(QUANT_DTYPES) if codes else [])
+            hint = ("; an int8 store is written and gathered with write_quantized and "
+                    "gather_quantized" if k_cache.dtype in _CODE_DTYPES else "")
             raise DTypeError(f"Invalid dtype of k_cache: expected one of "
-                             f"{sorted(SUPPORTED_DTYPES)}, got {k_cache.dtype}")
+                             f"{expected}, got {k_cache.dtype}{hint}")
         check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
                     array_type=self.array_types, contiguous=True, writeable=True)
         if self._may_share_memory(k_cache, v_cache):
@@ -169,6 +177,17 @@ class Backend:
     @staticmethod
     def _check_index(x: Any, name: str, ndim: int) -> None:
         check_array(x, name, ndim=ndim, dtype=INDEX_DTYPE)
+
+    def check_sources(self, sources: tuple[Any, Any], stores: tuple[Any, ...]) -> None:
+        """Refuse K/V data that shares memory with a store array: a kernel
+        that writes rows in its own order would read rows it had already
+        overwritten (a cheap bounds test, which may also refuse views that
+        interleave without touching)."""
+        for name, x in zip(("k", "v"), sources):
+            for store in stores:
+                if self._may_share_memory(x, store):
+                    raise ShapeError(f"Invalid {name}: it shares memory with the store; "
+                                     f"pass a copy")
 
     # ------------------------------------------------------------- public ops
     def write(
@@ -216,6 +235,7 @@ class Backend:
         for name, x in (("k", k), ("v", v)):
             check_array(x, name, shape=(n, num_kv_heads, head_dim), dtype=k_cache.dtype,
                         array_type=self.array_types)
+        self.check_sources((k, v), (k_cache, v_cache))
         if check_indices:
             check_slot_mapping(slot_mapping, num_pages * page_size)
         if n:
@@ -267,6 +287,19 @@ class Backend:
         check_array(seq_lens, "seq_lens", shape=(num_seqs,), dtype=INDEX_DTYPE)
         if check_indices:
             check_page_table(page_table, seq_lens, num_pages, page_size)
+        k_out, v_out = self._gather_outputs(out, out_layout, num_seqs, seq_lens, num_kv_heads,
+                                            head_dim, k_cache.dtype, num_positions,
+                                            (k_cache, v_cache))
+        if num_seqs:
+            self._gather(k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
+                         layout, out_layout)
+        return k_out, v_out
+
+    def _gather_outputs(self, out: Any, out_layout: OutputLayout, num_seqs: int,
+                        seq_lens: np.ndarray, num_kv_heads: int, head_dim: int,
+                        dtype: Any, num_positions: Any, stores: tuple) -> tuple[Any, Any]:
+        """The checked ``out`` pair of a gather, or a new one of ``dtype``
+        (any dtype for an ``out`` given when ``dtype`` is None)."""
         max_len = int(seq_lens.max()) if num_seqs else 0
         if out is None:
             if num_positions is None:
@@ -278,8 +311,7 @@ class Backend:
                     f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
                     f"got {num_positions}")
             shape = _out_shape(out_layout, num_seqs, int(num_positions), num_kv_heads, head_dim)
-            k_out = self.empty(shape, k_cache.dtype)
-            v_out = self.empty(shape, k_cache.dtype)
+            return self.empty(shape, dtype), self.empty(shape, dtype)
         else:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise DTypeError(f"Invalid out: expected a (k, v) pair, got {describe(out)}")
@@ -288,8 +320,13 @@ class Backend:
             check_array(k_out, "out[0]", ndim=4, array_type=self.array_types)
             num_out = k_out.shape[t_axis]
             shape = _out_shape(out_layout, num_seqs, num_out, num_kv_heads, head_dim)
+            if dtype is None:
+                if getattr(k_out, "dtype", None) not in _STORE_DTYPES:
+                    raise DTypeError(f"Invalid dtype of out[0]: expected one of "
+                                     f"{sorted(SUPPORTED_DTYPES)}, got {k_out.dtype}")
+                dtype = k_out.dtype
             for name, x in (("out[0]", k_out), ("out[1]", v_out)):
-                check_array(x, name, shape=shape, dtype=k_cache.dtype,
+                check_array(x, name, shape=shape, dtype=dtype,
                             array_type=self.array_types, contiguous=True, writeable=True)
             if num_out < max_len:
                 raise ShapeError(
@@ -298,11 +335,8 @@ class Backend:
             if self._may_share_memory(k_out, v_out):
                 raise ShapeError("Invalid out: out[0] and out[1] share memory")
             for name, x in (("out[0]", k_out), ("out[1]", v_out)):
-                if self._may_share_memory(x, k_cache) or self._may_share_memory(x, v_cache):
+                if any(self._may_share_memory(x, store) for store in stores):
                     raise ShapeError(f"Invalid {name}: it shares memory with the store")
-        if num_seqs:
-            self._gather(k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
-                         layout, out_layout)
         return k_out, v_out
 
     def copy_pages(
@@ -323,13 +357,139 @@ class Backend:
             Distinct destinations, none of which is also a source.
         """
         layout = StoreLayout.parse(layout)
-        _, num_pages, _, _, _ = self._check_store(k_cache, v_cache, layout)
+        _, num_pages, _, _, _ = self._check_store(k_cache, v_cache, layout, codes=True)
         self._check_index(src_pages, "src_pages", 1)
         check_array(dst_pages, "dst_pages", shape=src_pages.shape, dtype=INDEX_DTYPE)
         if check_indices:
             check_page_pairs(src_pages, dst_pages, num_pages)
         if src_pages.size:
             self._copy_pages(k_cache, v_cache, src_pages, dst_pages, layout)
+
+    # --------------------------------------------------------- int8 stores
+    def _check_quant_store(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                           layout: StoreLayout) -> tuple:
+        """Check int8 codes and their float32 scales (see :mod:`pagedkv_np.quant`)."""
+        check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
+                    contiguous=True, writeable=True)
+        if k_cache.dtype not in _CODE_DTYPES:
+            raise DTypeError(f"Invalid dtype of k_cache: expected one of {sorted(QUANT_DTYPES)}, "
+                             f"got {k_cache.dtype}")
+        check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
+                    array_type=self.array_types, contiguous=True, writeable=True)
+        dims = _store_dims(k_cache.shape, layout)
+        head_dim = dims[4]
+        scale_shape = (*k_cache.shape[:4], head_dim // group_size(head_dim))
+        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
+            check_array(x, name, shape=scale_shape, dtype=_SCALE_DTYPE,
+                        array_type=self.array_types, contiguous=True, writeable=True)
+        arrays = (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
+                  ("v_scale", v_scale))
+        for i, (name, x) in enumerate(arrays):
+            for other, y in arrays[:i]:
+                if self._may_share_memory(x, y):
+                    raise ShapeError(f"Invalid {name}: it shares memory with {other}")
+        return dims
+
+    def write_quantized(
+        self,
+        k_cache: Any,
+        v_cache: Any,
+        k_scale: Any,
+        v_scale: Any,
+        layer: int,
+        slot_mapping: np.ndarray,
+        k: Any,
+        v: Any,
+        *,
+        layout: "str | StoreLayout" = StoreLayout.NHD,
+        check_indices: bool = True,
+    ) -> None:
+        """Quantize the K/V of ``N`` tokens into their slots of an int8 store.
+
+        Parameters
+        ----------
+        k_cache, v_cache : array, shape as in :meth:`write`, dtype int8
+            The codes, written in place.
+        k_scale, v_scale : array, dtype float32
+            The scales: the shape of the codes with ``head_dim`` replaced by
+            ``head_dim // group_size(head_dim)`` (see :mod:`pagedkv_np.quant`).
+        slot_mapping : ndarray, shape [N], dtype int32
+            As in :meth:`write`.
+        k, v : array, shape [N, num_kv_heads, head_dim], float32, float16 or bfloat16
+            The same dtype for both; any strides.
+        """
+        layout = StoreLayout.parse(layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_quant_store(
+            k_cache, v_cache, k_scale, v_scale, layout)
+        if type(layer) is not int or not 0 <= layer < num_layers:
+            layer = _check_layer(layer, num_layers)
+        self._check_index(slot_mapping, "slot_mapping", 1)
+        n = slot_mapping.shape[0]
+        check_array(k, "k", shape=(n, num_kv_heads, head_dim), array_type=self.array_types)
+        if k.dtype not in _STORE_DTYPES:
+            raise DTypeError(f"Invalid dtype of k: expected one of {sorted(SUPPORTED_DTYPES)}, "
+                             f"got {k.dtype}")
+        check_array(v, "v", shape=k.shape, dtype=k.dtype, array_type=self.array_types)
+        self.check_sources((k, v), (k_cache, v_cache, k_scale, v_scale))
+        if check_indices:
+            check_slot_mapping(slot_mapping, num_pages * page_size)
+        if n:
+            self._write_quantized(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping,
+                                  k, v, layout)
+
+    def gather_quantized(
+        self,
+        k_cache: Any,
+        v_cache: Any,
+        k_scale: Any,
+        v_scale: Any,
+        layer: int,
+        page_table: np.ndarray,
+        seq_lens: np.ndarray,
+        *,
+        layout: "str | StoreLayout" = StoreLayout.NHD,
+        out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+        out: tuple[Any, Any] | None = None,
+        num_positions: int | None = None,
+        dtype: Any = None,
+        check_indices: bool = True,
+    ) -> tuple[Any, Any]:
+        """Dequantize each sequence's K/V of one layer of an int8 store into
+        contiguous arrays; the arguments are those of :meth:`gather` and
+        :meth:`write_quantized`.
+
+        Parameters
+        ----------
+        dtype : {"float32", "float16", "bfloat16"}, optional
+            dtype of the output: that of ``out`` when given (``dtype``, if
+            also given, must match), else float32.
+
+        Returns
+        -------
+        k, v : arrays in ``out_layout``
+            Positions ``t >= seq_lens[b]`` are zero.
+        """
+        layout = StoreLayout.parse(layout)
+        out_layout = OutputLayout.parse(out_layout, "out_layout")
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_quant_store(
+            k_cache, v_cache, k_scale, v_scale, layout)
+        layer = _check_layer(layer, num_layers)
+        self._check_index(page_table, "page_table", 2)
+        num_seqs = page_table.shape[0]
+        check_array(seq_lens, "seq_lens", shape=(num_seqs,), dtype=INDEX_DTYPE)
+        if check_indices:
+            check_page_table(page_table, seq_lens, num_pages, page_size)
+        if dtype is not None:
+            dtype = resolve_dtype(dtype)
+        elif out is None:
+            dtype = _SCALE_DTYPE
+        k_out, v_out = self._gather_outputs(out, out_layout, num_seqs, seq_lens, num_kv_heads,
+                                            head_dim, dtype, num_positions,
+                                            (k_cache, v_cache, k_scale, v_scale))
+        if num_seqs:
+            self._gather_quantized(k_cache, v_cache, k_scale, v_scale, layer, page_table,
+                                   seq_lens, k_out, v_out, layout, out_layout)
+        return k_out, v_out
 
     # ------------------------------------------------ implemented by backends
     def _kernel_views(self, k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
@@ -350,6 +510,17 @@ class Backend:
         raise NotImplementedError
 
     def _copy_pages(self, k_cache, v_cache, src_pages, dst_pages, layout):  # pragma: no cover
+        raise NotImplementedError
+
+    def _write_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k, v,
+                         layout):  # pragma: no cover
+        """Quantize every token whose slot is not -1 (see :mod:`pagedkv_np.quant`)."""
+        raise NotImplementedError
+
+    def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
+                          seq_lens, k_out, v_out, layout, out_layout):  # pragma: no cover
+        """Fill every element of ``k_out``/``v_out`` (of their own dtype):
+        dequantized data below each sequence's length, zero at and past it."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

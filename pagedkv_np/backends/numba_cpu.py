@@ -44,7 +44,9 @@ except ImportError as exc:  # the registry reports this as BackendUnavailable
         f"install it with: pip install 'numba>=0.59'") from exc
 
 from ..layout import OutputLayout, StoreLayout
+from ..quant import group_size
 from . import _numba_kernels as _k
+from . import _numba_quant as _q
 from .base import Backend
 
 __all__ = ["NumbaBackend", "PARALLEL_MIN_BYTES", "PARALLEL_MIN_THREADS", "STREAM_MIN_BYTES",
@@ -76,9 +78,22 @@ _UINT16 = np.dtype(np.uint16)
 
 
 def _typed(x: np.ndarray) -> np.ndarray:
-    """``x`` as the kernels take it: float32 as is, 16-bit floats as ``uint16``
-    (a view: Numba cannot type float16 or bfloat16 arrays)."""
-    return x if x.itemsize == 4 else x.view(_UINT16)
+    """``x`` as the kernels take it: float32 and int8 as they are, 16-bit
+    floats as ``uint16`` (a view: Numba cannot type float16 or bfloat16
+    arrays)."""
+    return x if x.itemsize != 2 else x.view(_UINT16)
+
+
+_UINT32 = np.dtype(np.uint32)
+_FLOAT16 = np.dtype(np.float16)
+
+
+def _bits_and_kind(x: np.ndarray) -> tuple[np.ndarray, int]:
+    """``x`` as the quantized kernels take it: a view of its bits, and what
+    they hold (float32, float16 or bfloat16)."""
+    if x.itemsize == 4:
+        return x.view(_UINT32), _q.KIND_F32
+    return x.view(_UINT16), _q.KIND_F16 if x.dtype == _FLOAT16 else _q.KIND_BF16
 
 
 def _parallel(nbytes: int) -> bool:
@@ -145,6 +160,24 @@ class NumbaBackend(Backend):
         nbytes = 2 * src_pages.shape[0] * (k_cache.nbytes // k_cache.shape[1])
         kernel = _k.copy_pages_parallel if _parallel(nbytes) else _k.copy_pages_serial
         kernel(_typed(k_cache), _typed(v_cache), src_pages, dst_pages, _flags(nbytes, layout))
+
+    def _write_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k, v,
+                         layout):
+        (k_bits, kind), (v_bits, _) = _bits_and_kind(k), _bits_and_kind(v)
+        kernel = _q.write_q_parallel if _parallel(2 * k.nbytes) else _q.write_q_serial
+        kernel(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k_bits, v_bits, kind,
+               layout is StoreLayout.HND, group_size(k_cache.shape[4]))
+
+    def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
+                          seq_lens, k_out, v_out, layout, out_layout):
+        # float32 outputs are written as values, 16-bit ones as bits
+        (k_bits, kind), (v_bits, _) = _bits_and_kind(k_out), _bits_and_kind(v_out)
+        if kind == _q.KIND_F32:
+            k_bits, v_bits = k_out, v_out
+        kernel = _q.gather_q_parallel if _parallel(2 * k_out.nbytes) else _q.gather_q_serial
+        kernel(k_cache, v_cache, k_scale, v_scale, layer, page_table, seq_lens, k_bits, v_bits,
+               kind, layout is StoreLayout.HND, out_layout is OutputLayout.BHTD,
+               group_size(k_cache.shape[4]))
 
     def _warmup(self, dtype: np.dtype, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run every kernel once on tiny arrays of ``dtype``, compiling each

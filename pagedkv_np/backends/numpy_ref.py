@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..layout import OutputLayout, StoreLayout, bits_view_dtype
+from ..quant import dequantize, quantize
 from .base import Backend
 
 __all__ = ["NumpyBackend"]
@@ -66,3 +67,22 @@ class NumpyBackend(Backend):
         for store in (k_cache, v_cache):
             bits = _bits(store)
             bits[:, dst_pages] = bits[:, src_pages]
+
+    def _write_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k, v,
+                         layout):
+        k_codes, k_scales = quantize(k)
+        v_codes, v_scales = quantize(v)
+        self._write(k_cache, v_cache, layer, slot_mapping, k_codes, v_codes, layout)
+        self._write(k_scale, v_scale, layer, slot_mapping, k_scales, v_scales, layout)
+
+    def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
+                          seq_lens, k_out, v_out, layout, out_layout):
+        # codes and scales gathered as bits, as any store, then dequantized:
+        # zero codes under zero scales past each length give +0.0
+        codes = [np.empty(k_out.shape, k_cache.dtype) for _ in range(2)]
+        scales = [np.empty((*k_out.shape[:3], k_scale.shape[4]), k_scale.dtype)
+                  for _ in range(2)]
+        self._gather(k_cache, v_cache, layer, page_table, seq_lens, *codes, layout, out_layout)
+        self._gather(k_scale, v_scale, layer, page_table, seq_lens, *scales, layout, out_layout)
+        for out, c, s in zip((k_out, v_out), codes, scales):
+            out[...] = dequantize(c, s, out.dtype)
