@@ -3,6 +3,7 @@
 from ._jit import warmup
 from .backends import available_backends, get_backend, register_backend
 from .errors import (
+    AllocationError,
     BackendUnavailable,
     ConfigError,
     DTypeError,
@@ -11,6 +12,7 @@ from .errors import (
     PagedKVError,
     PageIdError,
     PageStateError,
+    RequestFailed,
     SequenceError,
     ShapeError,
     StalePlanError,

@@ -26,6 +26,8 @@ sequences is extended or released, whatever other threads do meanwhile.
 from __future__ import annotations
 
 import itertools
+import numbers
+import sys
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Sequence as SequenceT
@@ -34,8 +36,8 @@ import numpy as np
 
 from .backends import Backend, get_backend
 from .backends.base import _check_layer
-from .errors import (ConfigError, DTypeError, OutOfPages, SequenceError, ShapeError,
-                     StalePlanError)
+from .errors import (AllocationError, ConfigError, DTypeError, OutOfPages, PagedKVError,
+                     SequenceError, ShapeError, StalePlanError)
 from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype
 from .plan import Plan, build_plan
 from .pool import PagePool
@@ -46,6 +48,9 @@ from .tokens import as_tokens
 __all__ = ["PagedKVCache", "Sequence", "CacheStats"]
 
 _owner_ids = itertools.count(1)
+
+# NumPy refuses arrays of more bytes than a signed pointer can count.
+_MAX_ARRAY_BYTES = sys.maxsize
 
 
 class Sequence:
@@ -383,13 +388,22 @@ class PagedKVCache:
 
         Full pages stay shared; the partly filled last page is copied by
         whichever side extends first. The sequence must have no reserved,
-        unplanned tokens.
+        unplanned tokens, and every plan of it must be written in every
+        layer: a copy of its last page taken before a write lands would miss
+        that write, and a plan discarded after the fork would leave the child
+        counting tokens that were never written. So a fork between ``plan``
+        and the last ``write`` is refused rather than followed.
         """
         with self._lock:
             self._check_seq(seq)
             if seq._num_computed != seq._num_tokens:
                 raise SequenceError(
                     "Invalid seq: it has reserved tokens not yet planned; plan them before fork")
+            if seq._num_written != seq._num_computed:
+                raise SequenceError(
+                    f"Invalid seq: {seq._num_computed - seq._num_written} of its planned "
+                    "tokens are not written in every layer; write (or discard) the plan "
+                    "before fork")
             child = Sequence(next(self._seq_ids), self._owner, seq.salt)
             self.pool.inc_ref(seq._page_ids)
             child._tokens = bytearray(seq._tokens)
@@ -511,19 +525,46 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
-            store = self.store
-            if store.quant is not None:
-                return self.backend.gather_quantized(
-                    store.k, store.v, store.k_scale, store.v_scale, layer, plan.page_table,
-                    plan.seq_lens, layout=store.layout, out_layout=layout, out=out,
-                    num_positions=num_positions, dtype=dtype, check_indices=False)
-            if dtype is not None and resolve_dtype(dtype) != store.dtype:
-                raise DTypeError(f"Invalid dtype: a {store.dtype} cache gathers {store.dtype}, "
-                                 f"got {dtype!r}")
-            return self.backend.gather(self.store.k, self.store.v, layer, plan.page_table,
-                                       plan.seq_lens, layout=self.store.layout,
-                                       out_layout=layout, out=out,
-                                       num_positions=num_positions, check_indices=False)
+            if out is None:
+                self._check_gather_size(plan, num_positions)
+            try:
+                return self._gather(layer, plan, layout, out, num_positions, dtype)
+            except MemoryError as exc:
+                if isinstance(exc, PagedKVError):
+                    raise
+                raise AllocationError(
+                    f"Invalid num_positions: the gathered K and V of {plan.num_seqs} "
+                    f"sequence(s) could not be allocated ({exc})") from None
+
+    def _check_gather_size(self, plan: Plan, num_positions: Any) -> None:
+        """Refuse output buffers whose size no allocator can take (the
+        backend checks the type and lower bound of ``num_positions``)."""
+        if not isinstance(num_positions, numbers.Integral) or isinstance(num_positions, bool):
+            return
+        store = self.store
+        nbytes = (2 * plan.num_seqs * int(num_positions) * store.num_kv_heads * store.head_dim
+                  * 4)   # at most 4 bytes an element, whatever the output dtype
+        if nbytes > _MAX_ARRAY_BYTES:
+            raise ConfigError(
+                f"Invalid num_positions: {num_positions} positions of {plan.num_seqs} "
+                f"sequence(s) need {nbytes} bytes for K and V, more than an array can hold")
+
+    def _gather(self, layer: Any, plan: Plan, layout: Any, out: Any, num_positions: Any,
+                dtype: Any) -> tuple[Any, Any]:
+        """:meth:`gather` once the plan is checked (the lock held)."""
+        store = self.store
+        if store.quant is not None:
+            return self.backend.gather_quantized(
+                store.k, store.v, store.k_scale, store.v_scale, layer, plan.page_table,
+                plan.seq_lens, layout=store.layout, out_layout=layout, out=out,
+                num_positions=num_positions, dtype=dtype, check_indices=False)
+        if dtype is not None and resolve_dtype(dtype) != store.dtype:
+            raise DTypeError(f"Invalid dtype: a {store.dtype} cache gathers {store.dtype}, "
+                             f"got {dtype!r}")
+        return self.backend.gather(self.store.k, self.store.v, layer, plan.page_table,
+                                   plan.seq_lens, layout=self.store.layout,
+                                   out_layout=layout, out=out,
+                                   num_positions=num_positions, check_indices=False)
 
     def discard(self, plan: Plan) -> None:
         """Take back ``plan``: its K/V was not (fully) written, say because

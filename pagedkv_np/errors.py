@@ -7,7 +7,9 @@ page id, ``MemoryError`` for an exhausted pool, ``ImportError`` for a missing
 optional dependency), so that generic ``except`` clauses keep working.
 
 An operation that raises one of these errors has changed nothing: the pool, the
-prefix index and the K/V store are exactly as they were before the call.
+prefix index and the K/V store are exactly as they were before the call. The
+one exception is :class:`RequestFailed`, which reports a generation request
+that the engine ended because a step of it failed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = [
     "SequenceError",
     "StalePlanError",
     "BackendUnavailable",
+    "AllocationError",
+    "RequestFailed",
 ]
 
 
@@ -87,3 +91,31 @@ class StalePlanError(PagedKVError, ValueError):
 
 class BackendUnavailable(PagedKVError, ImportError):
     """An array backend was asked for whose library (or device) is missing."""
+
+
+class AllocationError(PagedKVError, MemoryError):
+    """An array could not be allocated: the memory it needs is not available.
+
+    Unlike :class:`OutOfPages` (the pool is exhausted), this is the host or
+    device allocator refusing a store or a gather buffer.
+    """
+
+
+class RequestFailed(PagedKVError, RuntimeError):
+    """A generation request was ended because a step of it failed (the model
+    call, a page write or gather, sampling).
+
+    The original error is ``__cause__``; the other requests were not affected.
+
+    Attributes
+    ----------
+    request_id : int
+    """
+
+    def __init__(self, request_id: int, cause: BaseException):
+        self.request_id = request_id
+        super().__init__(f"request {request_id} failed: {type(cause).__name__}: {cause}")
+        self.__cause__ = cause
+
+    def __reduce__(self):
+        return (type(self), (self.request_id, self.__cause__))

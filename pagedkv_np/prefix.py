@@ -50,6 +50,11 @@ MAX_CHILDREN = 32
 
 HashFn = Callable[[bytes, bytes, bytes], bytes]
 
+# Ints up to this many bits have at most 617 decimal digits: below the lowest
+# limit Python allows on int -> str conversion (640), so their encoding does
+# not depend on the interpreter's setting.
+_MAX_DECIMAL_SALT_BITS = 2048
+
 
 def blake2b_page_hash(secret: bytes, parent: bytes, tokens: bytes) -> bytes:
     """Keyed BLAKE2b of a parent hash and a page's int64 token bytes (16 bytes)."""
@@ -60,15 +65,28 @@ def blake2b_page_hash(secret: bytes, parent: bytes, tokens: bytes) -> bytes:
 
 
 def encode_salt(salt: "str | bytes | int | None") -> bytes:
-    """The bytes a salt contributes to the root hash (``None`` -> empty)."""
+    """The bytes a salt contributes to the root hash (``None`` -> empty).
+
+    Raises :class:`DTypeError` for a salt of another type and
+    :class:`ConfigError` for a str that UTF-8 cannot encode (a lone
+    surrogate).
+    """
     if salt is None:
         return b""
     if isinstance(salt, bytes):
         return b"b" + salt
     if isinstance(salt, str):
-        return b"s" + salt.encode("utf-8")
+        try:
+            return b"s" + salt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"Invalid salt: a str salt must be encodable as UTF-8 "
+                              f"({exc.reason} at index {exc.start})") from None
     if isinstance(salt, int) and not isinstance(salt, bool):
-        return b"i" + str(salt).encode("ascii")
+        if salt.bit_length() <= _MAX_DECIMAL_SALT_BITS:
+            return b"i" + str(salt).encode("ascii")
+        # past Python's (configurable) limit on int -> decimal str conversion
+        # hex has none; its own prefix keeps the two encodings apart
+        return b"x" + format(salt, "x").encode("ascii")
     raise DTypeError(f"Invalid salt: expected str, bytes, int or None, got {type(salt).__name__}")
 
 

@@ -10,12 +10,13 @@ job.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
 
 from .backends.base import Backend
-from .errors import ConfigError, DTypeError
+from .errors import AllocationError, ConfigError, DTypeError
 from .layout import StoreLayout, check_positive_int, resolve_dtype, store_shape
 from .quant import resolve_quant
 
@@ -81,8 +82,18 @@ class KVStore:
                              f"got {type(backend).__name__}")
         self.shape = store_shape(self.layout, self.num_layers, self.num_pages,
                                  self.page_size, self.num_kv_heads, self.head_dim)
-        self.k = backend.zeros(self.shape, self.dtype)
-        self.v = backend.zeros(self.shape, self.dtype)
+        nbytes = 2 * self.dtype.itemsize * int(np.prod(self.shape, dtype=object))
+        if nbytes > sys.maxsize:
+            raise ConfigError(f"Invalid num_pages: a store of {list(self.shape)} needs {nbytes} "
+                              "bytes for K and V, more than an array can hold")
+        try:
+            self.k = backend.zeros(self.shape, self.dtype)
+            self.v = backend.zeros(self.shape, self.dtype)
+        except MemoryError as exc:
+            self.k = self.v = None   # the first one, if made, goes now
+            raise AllocationError(
+                f"Invalid num_pages: a store of {list(self.shape)} ({nbytes} bytes for K and "
+                f"V) could not be allocated ({exc})") from None
         self.k_scale: Any = None
         self.v_scale: Any = None
         if self.quant is not None:  # the page geometry of k and v, a scale per group

@@ -14,23 +14,27 @@ _INT64_MAX = np.iinfo(np.int64).max
 
 
 def as_tokens(tokens: Any, name: str = "tokens", allow_empty: bool = True) -> np.ndarray:
-    """``tokens`` as a 1-D int64 array of non-negative ids.
+    """``tokens`` as a new 1-D int64 array of non-negative ids.
 
-    Accepts a list, tuple or integer ndarray. Raises :class:`DTypeError` for
-    non-integer ids (floats, bools, strings) and :class:`ShapeError` for
-    nested or empty (unless ``allow_empty``) input.
+    Accepts a list, tuple or integer ndarray. The result never shares memory
+    with ``tokens``: a caller may reuse its buffer as soon as the call that
+    took it returns, and what was checked is what is kept. Raises
+    :class:`DTypeError` for non-integer ids (floats, bools, strings) and
+    :class:`ShapeError` for nested or empty (unless ``allow_empty``) input.
     """
     if (type(tokens) is np.ndarray and tokens.dtype == np.int64 and tokens.ndim == 1
             and 0 < tokens.shape[0] <= 64):
-        # the decode-step case, kept cheap: a few int64 ids
-        if min(tokens.tolist()) < 0:
-            raise DTypeError(f"Invalid {name}: token ids must be >= 0, got {min(tokens.tolist())}")
-        return np.ascontiguousarray(tokens, dtype="<i8")
+        # the decode-step case, kept cheap: a few int64 ids, copied first so
+        # that what is checked is what is returned
+        ids = np.array(tokens, dtype="<i8")
+        if min(ids.tolist()) < 0:
+            raise DTypeError(f"Invalid {name}: token ids must be >= 0, got {min(ids.tolist())}")
+        return ids
     if isinstance(tokens, (str, bytes, bytearray)) or tokens is None:
         raise DTypeError(f"Invalid {name}: expected a sequence of integer token ids, "
                          f"got {type(tokens).__name__}")
     if isinstance(tokens, np.ndarray):
-        arr = tokens
+        arr = tokens.copy()   # checked and converted as it is now
     else:
         try:
             seq = list(tokens)
@@ -65,4 +69,4 @@ def as_tokens(tokens: Any, name: str = "tokens", allow_empty: bool = True) -> np
         raise DTypeError(f"Invalid {name}: a token id does not fit in int64")
     if int(arr.min()) < 0:
         raise DTypeError(f"Invalid {name}: token ids must be >= 0, got {int(arr.min())}")
-    return np.ascontiguousarray(arr, dtype="<i8")
+    return np.ascontiguousarray(arr, dtype="<i8")   # arr is ours: no second copy needed

@@ -8,6 +8,7 @@ import pytest
 
 from pagedkv_np import PagedKVCache, Sequence
 from pagedkv_np.errors import (
+    AllocationError,
     ConfigError,
     DTypeError,
     LayoutError,
@@ -350,6 +351,55 @@ def test_fork_needs_planned_tokens(state_of, same_state):
     with pytest.raises(SequenceError, match="seq"):
         cache.fork(seq)
     same_state(before, state_of(cache))
+
+
+@pytest.mark.parametrize("written", [0, 1])
+def test_fork_between_plan_and_write_is_refused(expected_kv, state_of, same_state, written):
+    """A copy of the shared last page taken before the parent's write lands
+    would miss it; a fork with a plan still unwritten (in any layer) is
+    refused, and allowed once the plan is written."""
+    cache = make_cache(page_size=4)
+    a = cache.add_sequence([1, 2, 3, 4, 5, 6])
+    cache.extend(a, [1, 2, 3, 4, 5, 6])
+    plan = cache.plan([a])
+    k, v = expected_kv(a.tokens, None, 0, cache.num_kv_heads, cache.head_dim, cache.dtype)
+    for layer in range(written):            # none, or only some of the layers
+        cache.write(layer, plan, k, v)
+    before = state_of(cache)
+    with pytest.raises(SequenceError, match="not written"):
+        cache.fork(a)
+    same_state(before, state_of(cache))
+    # the variant: the plan discarded after a fork would have left the child
+    # counting tokens that were never written
+    cache.discard(plan)
+    assert a.num_computed_tokens == 0
+    with pytest.raises(SequenceError, match="not yet planned"):
+        cache.fork(a)
+    plan = cache.plan([a])
+    write_step(cache, plan, [a], expected_kv)
+    b = cache.fork(a)
+    cache.extend(b, [7])
+    plan_b = cache.plan([b])
+    write_step(cache, plan_b, [b], expected_kv)
+    assert_gathered(cache, plan_b, [b], expected_kv)      # positions 4-5 included
+    cache.release(a)
+    assert_gathered(cache, cache.plan([b]), [b], expected_kv)
+    cache.check_invariants()
+
+
+def test_gather_buffers_too_large_to_allocate_are_refused(state_of, same_state):
+    cache = make_cache()
+    seq, plan = cache.add_sequence([1, 2, 3]), None
+    cache.extend(seq, [1, 2, 3])
+    plan = cache.plan([seq])
+    before = state_of(cache)
+    with pytest.raises(AllocationError, match="num_positions"):
+        cache.gather(0, plan, num_positions=10**15)
+    with pytest.raises(ConfigError, match="num_positions"):
+        cache.gather(0, plan, num_positions=2**63)
+    same_state(before, state_of(cache))
+    with pytest.raises(AllocationError, match="num_pages"):
+        make_cache(num_layers=10**4, num_pages=10**6, num_kv_heads=8, head_dim=128)
 
 
 def test_extend_of_a_forked_sequence_out_of_pages_changes_nothing(expected_kv, state_of,
