@@ -21,12 +21,13 @@ except ImportError as exc:
 
 from .engine import OrtDecoder, RequestNotFound
 from .model_io import ModelIO, UnsupportedModelError
+from .requests import RequestStatus, StepEvents
 from .sampling import SamplingParams
 
 from .textgen import TextIterator, TextUnavailable
 
-__all__ = ["OrtDecoder", "RequestNotFound", "ModelIO", "UnsupportedModelError",
-           "SamplingParams", "TextIterator", "TextUnavailable"]
+__all__ = ["OrtDecoder", "RequestNotFound", "RequestStatus", "StepEvents", "ModelIO",
+           "UnsupportedModelError", "SamplingParams", "TextIterator", "TextUnavailable"]
 
 # Text names need the models extra (tokenizers, jinja2), so they are imported
 # on first use: the engine itself runs without them.

@@ -33,8 +33,13 @@ Why the data moves as it does:
   one when a step has both past context and several new tokens, and a lone
   prompt needs no padding.
 
-Thread safety: :meth:`add_request` may be called from any thread; ``step``,
-``generate`` and ``abort`` are serialised by a lock.
+When a step fails, only the requests it concerns end (with
+``finish_reason == "error"`` and a :class:`~pagedkv_np.errors.RequestFailed`
+in :meth:`OrtDecoder.status` and in the step's ``errors``), and the engine
+keeps serving the others: see :mod:`pagedkv_np.onnxruntime.batching`.
+
+Thread safety: :meth:`add_request` and the read-only methods may be called
+from any thread; ``step``, ``generate`` and ``abort`` are serialised by a lock.
 """
 
 from __future__ import annotations
@@ -48,92 +53,42 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, DTypeError, PagedKVError
+from ..errors import ConfigError, DTypeError, PagedKVError, RequestFailed
 from ..layout import check_positive_int
 from ..prefix import encode_salt
 from ..tokens import as_tokens
-from .model_io import UnsupportedModelError, discover, graph_facts
-from .runners import make_runner
-from .sampling import SamplingParams, sample
+from .batching import Batcher
+from .model_io import discover, graph_facts
+from .requests import Request, RequestStatus, StepEvents
+from .runners import Runner, make_runner
+from .sampling import SamplingParams
+from .session import load_model, make_session
 from .textgen import TextGenerationMixin
-
-try:
-    import onnx
-    import onnxruntime as ort
-except ImportError as exc:  # pragma: no cover - __init__ reports this first
-    raise ImportError(
-        "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
-    ) from exc
 
 __all__ = ["OrtDecoder", "RequestNotFound"]
 
-# The GQA decode buffer holds at most this many positions beyond the longest
-# sequence; a longer run is re-gathered into a larger buffer.
-_MAX_HEADROOM = 512
 
 class RequestNotFound(PagedKVError, KeyError):
     """No request with that id (never added, or its output was already taken)."""
 
 
-class _Request:
-    """A request's prompt, budget, sampler and progress.
-
-    While running, every token but the last generated one has its K/V in the
-    cache: ``seq.num_tokens == len(prompt) + len(generated) - 1``.
-    """
-
-    __slots__ = ("rid", "prompt", "max_new_tokens", "eos", "params", "rng", "salt",
-                 "generated", "seq", "finished")
-
-    def __init__(self, rid: int, prompt: np.ndarray, max_new_tokens: int, eos: frozenset[int],
-                 params: SamplingParams, rng: np.random.Generator | None, salt: Any) -> None:
-        self.rid = rid
-        self.prompt = prompt
-        self.max_new_tokens = max_new_tokens
-        self.eos = eos
-        self.params = params
-        self.rng = rng
-        self.salt = salt
-        self.generated: list[int] = []
-        # the cache Sequence while running, else None; Any because the running
-        # loop relies on that state instead of narrowing it on every token
-        self.seq: Any = None
-        self.finished = False
-
-    def all_tokens(self) -> np.ndarray:
-        if not self.generated:
-            return self.prompt
-        return np.concatenate([self.prompt, np.asarray(self.generated, dtype=np.int64)])
-
-
-def _load(model: Any):
-    """(bytes or path for onnxruntime, ModelProto without weights for inspection)."""
-    if isinstance(model, onnx.ModelProto):
-        return model.SerializeToString(), model
-    source: bytes | str
-    if isinstance(model, (bytes, bytearray)):
-        source, what = bytes(model), "the model bytes"
-        parse = lambda: onnx.load_from_string(source)  # noqa: E731
-    elif isinstance(model, str) or hasattr(model, "__fspath__"):
-        source = str(model.__fspath__() if hasattr(model, "__fspath__") else model)
-        what = repr(source)
-        parse = lambda: onnx.load(source, load_external_data=False)  # noqa: E731
-    else:
-        raise DTypeError(f"Invalid model: expected a path, bytes or onnx.ModelProto, "
-                         f"got {type(model).__name__}")
-    try:
-        return source, parse()
-    except FileNotFoundError:
-        raise ConfigError(f"Invalid model: no file {source!r}") from None
-    except Exception as exc:   # protobuf's DecodeError and kin
-        raise UnsupportedModelError(f"{what} is not an ONNX model: {exc}") from exc
-
-
 def _make_rng(seed: Any) -> np.random.Generator:
+    if isinstance(seed, (np.random.Generator, np.random.BitGenerator)):
+        # default_rng would hand back the caller's own generator, whose
+        # draws the caller could then advance under the request
+        raise DTypeError("Invalid seed: expected an int, SeedSequence or None, not a "
+                         "generator shared with the caller")
     try:
         return np.random.default_rng(seed)
     except (TypeError, ValueError) as exc:
         raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
+
+
+def _check_request_id(request_id: Any) -> int:
+    if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+        raise DTypeError(f"Invalid request_id: expected an integer, got "
+                         f"{type(request_id).__name__}")
+    return int(request_id)
 
 
 class OrtDecoder(TextGenerationMixin):
@@ -169,6 +124,11 @@ class OrtDecoder(TextGenerationMixin):
     family : {"auto", "optimum", "gqa"}
     num_kv_heads, head_dim : int, optional
         For models whose past inputs leave these dimensions symbolic.
+    max_positions : int, optional
+        Most positions a request may use (prompt + ``max_new_tokens - 1``),
+        such as the context length of the model's configuration. The graph's
+        own limit (the rows of its position or rotary table) applies too:
+        the smaller one is :attr:`max_positions`.
     session_options : onnxruntime.SessionOptions, optional
     providers : list, optional
         Default ``["CPUExecutionProvider"]``.
@@ -177,6 +137,9 @@ class OrtDecoder(TextGenerationMixin):
     ----------
     io : ModelIO
         What was read from the model.
+    max_positions : int or None
+        Positions a request may use; None when neither the graph nor the
+        caller sets a limit.
     cache : PagedKVCache
     session : onnxruntime.InferenceSession
     """
@@ -187,44 +150,56 @@ class OrtDecoder(TextGenerationMixin):
                  partial_page_reuse: bool = True, write_interval: int = 16,
                  family: str = "auto",
                  num_kv_heads: int | None = None,
-                 head_dim: int | None = None, session_options: Any = None,
+                 head_dim: int | None = None, max_positions: int | None = None,
+                 session_options: Any = None,
                  providers: list | None = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
+        if max_positions is not None:
+            max_positions = check_positive_int(max_positions, "max_positions")
         self.eos_token_ids = self._parse_eos(eos_token_id)
-        source, proto = _load(model)
+        source, proto = load_model(model)
         facts = graph_facts(proto)
         del proto
-        self.session = ort.InferenceSession(
-            source, sess_options=session_options,
-            providers=providers or ["CPUExecutionProvider"])
+        self.session = make_session(source, session_options, providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
         io = self.io
+        limits = [n for n in (io.max_positions, max_positions) if n is not None]
+        self.max_positions: int | None = min(limits) if limits else None
         self.cache = PagedKVCache(io.num_layers, num_pages, page_size, io.num_kv_heads,
                                   io.head_dim, dtype=io.dtype, layout=layout, backend=backend,
                                   enable_prefix_caching=enable_prefix_caching,
                                   partial_page_reuse=partial_page_reuse)
-        self._runner = make_runner(self.session, io)
         self._lock = threading.Lock()          # guards _incoming, _requests
         self._step_lock = threading.RLock()    # serialises steps
         self._ids = itertools.count()
-        self._incoming: collections.deque[_Request] = collections.deque()
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._running: list[_Request] = []
-        self._requests: dict[int, _Request] = {}
-        self._batch_rids: tuple[int, ...] | None = None
-        self._batch: list[_Request] = []   # the requests in the runner's buffers
-        self._pending = 0                  # their decode steps not yet in the pages
+        self._incoming: collections.deque[Request] = collections.deque()
+        self._requests: dict[int, Request] = {}
         self._counters = dict.fromkeys(
             ("prefix_hit_tokens", "prefix_query_tokens", "num_prefills", "num_decode_steps",
-             "num_generated_tokens", "num_preemptions", "num_regathers"), 0)
+             "num_generated_tokens", "num_preemptions", "num_regathers",
+             "num_failed_requests", "num_batch_failures"), 0)
+        self._batcher = Batcher(self.cache, make_runner(self.session, io), self.max_batch_size,
+                                self.write_interval, self.max_positions, self._counters)
+
+    @property
+    def _runner(self) -> Runner:
+        """The runner that feeds the model (replaceable, as tests do)."""
+        return self._batcher.runner
+
+    @_runner.setter
+    def _runner(self, runner: Runner) -> None:
+        self._batcher.runner = runner
 
     # ------------------------------------------------------------- requests
     @staticmethod
     def _parse_eos(eos: Any) -> frozenset:
         if eos is None:
             return frozenset()
+        if isinstance(eos, (str, bytes)):
+            raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
+                             f"got {type(eos).__name__}")
         try:
             items = [eos] if isinstance(eos, numbers.Integral) else list(eos)
         except TypeError:
@@ -243,7 +218,8 @@ class OrtDecoder(TextGenerationMixin):
         Parameters
         ----------
         prompt : sequence of int, length >= 1
-            Token ids in ``[0, vocab_size)``.
+            Token ids in ``[0, vocab_size)``; copied, so the caller may reuse
+            its buffer at once.
         max_new_tokens : int
             Stop after this many generated tokens.
         eos_token_id : int or iterable of int, optional
@@ -262,7 +238,7 @@ class OrtDecoder(TextGenerationMixin):
             The prompt is not a 1-D sequence of integers, or is empty.
         ConfigError
             A token id is outside the vocabulary, or the prompt plus
-            ``max_new_tokens`` cannot fit the pool (or the model's positions).
+            ``max_new_tokens`` cannot fit the pool (or :attr:`max_positions`).
         """
         req = self._new_request(prompt, max_new_tokens, eos_token_id, temperature, top_k,
                                 top_p, seed, salt)
@@ -270,9 +246,9 @@ class OrtDecoder(TextGenerationMixin):
         return req.rid
 
     def _new_request(self, prompt, max_new_tokens, eos_token_id, temperature, top_k, top_p,
-                     seed, salt) -> "_Request":
+                     seed, salt) -> Request:
         """A checked request, not yet queued (see :meth:`add_request`)."""
-        tokens = as_tokens(prompt, "prompt", allow_empty=False)
+        tokens = as_tokens(prompt, "prompt", allow_empty=False)   # a copy of its own
         encode_salt(salt)
         max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
         vocab = self.io.vocab_size
@@ -287,14 +263,15 @@ class OrtDecoder(TextGenerationMixin):
                 f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
                 f"{max_new_tokens} need {-(-num_fed // page_size)} pages of {page_size} "
                 f"tokens; the pool has {num_pages}")
-        if self.io.max_positions is not None and num_fed > self.io.max_positions:
+        if self.max_positions is not None and num_fed > self.max_positions:
             raise ConfigError(
                 f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
-                f"{max_new_tokens} exceed the model's {self.io.max_positions} positions")
+                f"{max_new_tokens} feed {num_fed} tokens and exceed the model's "
+                f"{self.max_positions} positions (max_positions)")
         params = SamplingParams(temperature, top_k, top_p)
         eos = self.eos_token_ids if eos_token_id is None else self._parse_eos(eos_token_id)
         rng = None if params.greedy else _make_rng(seed)
-        return _Request(-1, tokens, max_new_tokens, eos, params, rng, salt)
+        return Request(tokens, max_new_tokens, eos, params, rng, salt)
 
     def _enqueue(self, reqs: list) -> None:
         with self._lock:
@@ -306,12 +283,17 @@ class OrtDecoder(TextGenerationMixin):
     def is_finished(self, request_id: int) -> bool:
         return self._get(request_id).finished
 
+    def status(self, request_id: int) -> RequestStatus:
+        """Where a request stands: finished or not, why, token counts, its error."""
+        return self._get(request_id).status()
+
     def get_output(self, request_id: int) -> list[int]:
         """Tokens generated so far for a request (a copy)."""
         return list(self._get(request_id).generated)
 
     def pop_output(self, request_id: int) -> list[int]:
-        """The tokens of a finished request; forgets the request."""
+        """The tokens of a finished request (a failed one too); forgets the request."""
+        request_id = _check_request_id(request_id)
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -322,7 +304,10 @@ class OrtDecoder(TextGenerationMixin):
         return req.generated
 
     def abort(self, request_id: int) -> None:
-        """Stop a request now; its pages go back to the pool (full ones stay cached)."""
+        """Stop a request now; its pages go back to the pool (full ones stay cached).
+
+        An aborted request is listed in the ``finished`` of the next step.
+        """
         with self._step_lock:
             req = self._get(request_id)
             if req.finished:
@@ -330,46 +315,35 @@ class OrtDecoder(TextGenerationMixin):
             with self._lock:
                 if req in self._incoming:
                     self._incoming.remove(req)
-            if req in self._waiting:
-                self._waiting.remove(req)
-            if req.seq is not None:
-                self._flush()
-                self._running.remove(req)
-                self.cache.release(req.seq)
-                req.seq = None
-            req.finished = True
+            self._batcher.abort(req)
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return bool(self._incoming or self._waiting or self._running)
+            return bool(self._incoming or self._batcher.waiting or self._batcher.running)
 
-    def _get(self, request_id: int) -> _Request:
-        req = self._requests.get(request_id)
+    def _get(self, request_id: Any) -> Request:
+        req = self._requests.get(_check_request_id(request_id))
         if req is None:
             raise RequestNotFound(f"Invalid request_id: no request {request_id!r}")
         return req
 
     # ----------------------------------------------------------------- steps
-    def step(self) -> dict[int, list[int]]:
+    def step(self) -> StepEvents:
         """Run one decode step for the batch, then admit and prefill waiting requests.
 
         Returns
         -------
-        dict
-            ``{request_id: [new token ids]}`` for every request that produced
-            tokens in this step.
+        StepEvents
+            A dict ``{request_id: [new token ids]}`` for every request that
+            produced tokens in this step, with ``finished`` (the requests
+            that ended, for any reason) and ``errors`` (those that failed,
+            with a :class:`~pagedkv_np.errors.RequestFailed` each).
         """
         with self._step_lock:
             with self._lock:
-                self._waiting.extend(self._incoming)
+                self._batcher.waiting.extend(self._incoming)
                 self._incoming.clear()
-            events: dict[int, list[int]] = {}
-            preempted = self._decode(events)
-            if not preempted:
-                self._admit(events)
-            if not self._running:
-                self._forget_batch()
-            return events
+            return self._batcher.step()
 
     def generate(self, prompts: Iterable[Any], max_new_tokens: int = 64, *,
                  eos_token_id: Any = None, temperature: float = 0.0, top_k: int = 0,
@@ -378,6 +352,12 @@ class OrtDecoder(TextGenerationMixin):
 
         With sampling, request ``i`` is seeded from ``SeedSequence(seed).spawn``,
         so the result does not depend on batching or preemption.
+
+        Raises
+        ------
+        RequestFailed
+            One of the requests failed (``__cause__`` says why); the call's
+            other requests were aborted and all of them forgotten.
         """
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
             raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
@@ -396,171 +376,43 @@ class OrtDecoder(TextGenerationMixin):
                                   s, salt) for p, s in zip(prompts, seeds)]
         with self._step_lock:
             self._enqueue(reqs)
-            rids = [r.rid for r in reqs]
-            while not all(self._requests[r].finished for r in rids):
-                self.step()
-            return [self.pop_output(r) for r in rids]
+            try:
+                while not all(r.finished for r in reqs):
+                    failed = next((r for r in reqs if r.error is not None), None)
+                    if failed is not None:
+                        raise failed.error   # type: ignore[misc]
+                    self.step()
+                failed = next((r for r in reqs if r.error is not None), None)
+                if failed is not None:
+                    raise failed.error   # type: ignore[misc]
+            except BaseException:
+                self._forget(reqs)
+                raise
+            return [self.pop_output(r.rid) for r in reqs]
+
+    def _forget(self, reqs: list[Request]) -> None:
+        """Abort what is left of ``reqs`` and forget them all (a failed generate)."""
+        for req in reqs:
+            if not req.finished:
+                self.abort(req.rid)
+        with self._lock:
+            for req in reqs:
+                self._requests.pop(req.rid, None)
+        log = self._batcher.finished_log
+        log[:] = [r for r in log if r not in reqs]
 
     @property
     def stats(self) -> dict:
         """Counters: prompt tokens served from the cache (``prefix_hit_tokens``)
         out of prompt tokens admitted (``prefix_query_tokens``), their ratio,
-        pages, steps, preemptions and batch re-gathers."""
+        pages, steps, preemptions, batch re-gathers, failed requests and
+        failed batch steps."""
         cache = self.cache.stats
         out: dict[str, int | float] = dict(self._counters)
         q = out["prefix_query_tokens"]
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         out.update(num_pages=cache.num_pages, pages_used=cache.pages_used,
                    pages_free=cache.pages_free, pages_evictable=cache.pages_evictable,
-                   num_running=len(self._running), num_waiting=len(self._waiting) +
-                   len(self._incoming))
+                   num_running=len(self._batcher.running),
+                   num_waiting=len(self._batcher.waiting) + len(self._incoming))
         return out
-
-    # ------------------------------------------------------------- internals
-    def _accept(self, req: _Request, logits: np.ndarray, events: dict,
-                token: int | None = None) -> None:
-        if token is None:
-            token = sample(logits, req.params, req.rng)
-        req.generated.append(token)
-        events.setdefault(req.rid, []).append(token)
-        self._counters["num_generated_tokens"] += 1
-        if token in req.eos or len(req.generated) >= req.max_new_tokens:
-            req.finished = True
-
-    def _retire_finished(self) -> None:
-        if any(r.finished for r in self._running):
-            self._flush()
-            for req in self._running:
-                if req.finished:
-                    self.cache.release(req.seq)
-                    req.seq = None
-            self._running = [r for r in self._running if not r.finished]
-
-    def _preempt(self, req: _Request) -> None:
-        self._flush()
-        self._running.remove(req)
-        self.cache.release(req.seq)   # its full pages stay cached for the recompute
-        req.seq = None
-        self._waiting.appendleft(req)
-        self._counters["num_preemptions"] += 1
-
-    def _forget_batch(self) -> None:
-        self._runner.reset()
-        self._batch_rids = None
-        self._batch = []
-        self._pending = 0
-
-    def _requeue_running(self) -> None:
-        """After a failed model call or write: every running request that is
-        not finished goes back to the queue, to be recomputed; K/V not yet
-        written is never indexed."""
-        for req in reversed(self._running):
-            if req.seq is not None and not req.seq.is_released:
-                self.cache.release(req.seq)
-            req.seq = None
-            if not req.finished:
-                self._waiting.appendleft(req)
-        self._running = []
-        self._forget_batch()
-
-    def _flush(self) -> None:
-        """Write the K/V of the batch's pending decode steps into the pages."""
-        n = self._pending
-        if not n:
-            return
-        cache = self.cache
-        plan = cache.plan([r.seq for r in self._batch])   # n new tokens per sequence
-        try:
-            for layer, (k, v) in enumerate(self._runner.recent_kv(n)):
-                cache.write(layer, plan, k, v)
-        except BaseException:
-            cache.discard(plan)
-            self._requeue_running()
-            raise
-        self._pending = 0
-
-    def _decode(self, events: dict) -> bool:
-        """One token for every running request; returns whether any was preempted."""
-        cache, preempted, page_size = self.cache, False, self.cache.page_size
-        while self._running:
-            # a sequence needs a page for its next token iff its pages are full:
-            # the engine never forks, so no partly filled last page is shared
-            needed = sum(1 for r in self._running if r.seq.num_tokens % page_size == 0)
-            if needed <= cache.num_free_pages + cache.num_evictable_pages:
-                break
-            self._preempt(self._running[-1])   # youngest first: the oldest always advance
-            preempted = True
-        reqs = self._running
-        if not reqs:
-            return preempted
-        # This runs once per token: plain Python for the batch's few numbers,
-        # since each NumPy call here costs more than its work (the model has
-        # just pushed the interpreter out of the CPU's caches).
-        seqs = [r.seq for r in reqs]
-        len_list = [s.num_tokens for s in seqs]
-        rids = tuple(r.rid for r in reqs)
-        if rids != self._batch_rids or self._runner.needs_gather(max(len_list)):
-            self._flush()
-            gather_plan = cache.plan(seqs)   # no new tokens: exactly the cached past
-            remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
-            capacity = max(len_list) + 1 + min(remaining, _MAX_HEADROOM)
-            self._forget_batch()
-            self._runner.start_batch(
-                lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out),
-                np.array(len_list, dtype=np.int64), capacity)
-            self._batch_rids, self._batch = rids, list(reqs)
-            self._counters["num_regathers"] += 1
-        lens = np.array(len_list, dtype=np.int64)
-        tokens = np.array([r.generated[-1] for r in reqs], dtype=np.int64)
-        cache.extend_batch(seqs, tokens)
-        try:
-            logits = self._runner.decode(tokens, lens)
-        except BaseException:
-            self._requeue_running()
-            raise
-        self._pending += 1
-        self._counters["num_decode_steps"] += 1
-        greedy = logits.argmax(axis=-1)      # one call for the batch's greedy rows
-        for b, r in enumerate(reqs):
-            self._accept(r, logits[b], events, int(greedy[b]) if r.rng is None else None)
-        if self._pending >= self.write_interval:
-            self._flush()
-        self._retire_finished()
-        return preempted
-
-    def _admit(self, events: dict) -> None:
-        cache = self.cache
-        while self._waiting and len(self._running) < self.max_batch_size:
-            req = self._waiting[0]
-            tokens = req.all_tokens()
-            seq = cache.add_sequence(tokens, salt=req.salt)
-            num_cached = seq.num_cached_tokens
-            needed = cache.num_pages_needed(seq, tokens.shape[0] - num_cached)
-            # keep a page per running request so the next decode step rarely preempts
-            if needed + len(self._running) > cache.num_free_pages + cache.num_evictable_pages:
-                cache.release(seq)
-                break
-            self._waiting.popleft()
-            past = None
-            if num_cached:
-                gather_plan = cache.plan([seq])
-                past = [cache.gather(layer, gather_plan, "BHTD")
-                        for layer in range(self.io.num_layers)]
-            cache.extend(seq, tokens[num_cached:])
-            plan = cache.plan([seq])
-            try:
-                logits, kv = self._runner.prefill(tokens[num_cached:], num_cached, past)
-                for layer, (k, v) in enumerate(kv):
-                    cache.write(layer, plan, k, v)
-            except BaseException:
-                cache.discard(plan)       # nothing of this prefill gets indexed
-                cache.release(seq)
-                self._waiting.appendleft(req)
-                raise
-            req.seq = seq
-            self._running.append(req)
-            self._counters["num_prefills"] += 1
-            self._counters["prefix_hit_tokens"] += num_cached
-            self._counters["prefix_query_tokens"] += tokens.shape[0]
-            self._accept(req, logits, events)
-            self._retire_finished()

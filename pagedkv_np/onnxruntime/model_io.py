@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PagedKVError
+from ..layout import check_positive_int
 
 try:
     import onnxruntime as ort
@@ -73,7 +74,10 @@ class ModelIO:
     vocab_size : int or None
         Last dimension of ``logits`` when the model fixes it.
     max_positions : int or None
-        Rows of the rotary tables of a ``gqa`` model (positions it can encode).
+        Positions the graph can encode: the rows of the position table it
+        indexes by position (a learned position embedding or rotary cos/sin
+        cache of an ``optimum`` export, the cos cache of a ``gqa`` model);
+        None when it has none (positions computed on the fly).
     input_ids_dtype, attention_mask_dtype : numpy dtype
     position_ids_dtype : numpy dtype or None
         None when the model takes no ``position_ids``.
@@ -106,16 +110,58 @@ class ModelIO:
 
 @dataclass(frozen=True)
 class GraphFacts:
-    """Facts read off the graph (not the I/O): attention op, rotary table size."""
+    """Facts read off the graph (not the I/O): attention op, position limit."""
 
     has_gqa: bool
     max_positions: int | None
     op_types: frozenset
 
 
+# ops that pass a table through without changing its first axis' bound
+_TABLE_VIEWS = frozenset({"Cast", "Identity", "Slice"})
+
+
+def _table_rows(graph: Any) -> dict[str, int]:
+    """Rows of every 2-D constant (initializer or Constant node) by name,
+    also under the names of Cast / Identity / Slice views of it."""
+    rows = {init.name: int(init.dims[0]) for init in graph.initializer if len(init.dims) == 2}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            for attr in node.attribute:
+                if attr.name == "value" and len(attr.t.dims) == 2:
+                    rows[node.output[0]] = int(attr.t.dims[0])
+        elif node.op_type in _TABLE_VIEWS and node.input and node.input[0] in rows:
+            rows[node.output[0]] = rows[node.input[0]]
+    return rows
+
+
+def _position_rows(graph: Any) -> int | None:
+    """Fewest rows of a table that the graph indexes by position.
+
+    A position table (GPT-2's learned position embedding, a rotary cos/sin
+    cache) is a 2-D constant gathered with indices computed from
+    ``position_ids`` (or, in graphs that number positions themselves, from
+    ``attention_mask``); a position past its rows makes onnxruntime fail.
+    GroupQueryAttention reads its cos cache (input 7) the same way.
+    """
+    rows = _table_rows(graph)
+    derived = {i.name for i in graph.input} & {"position_ids", "attention_mask"}
+    found = []
+    for node in graph.node:   # ONNX graphs are topologically sorted
+        if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in derived \
+                and node.input[0] in rows:
+            found.append(rows[node.input[0]])
+        elif node.op_type == "GroupQueryAttention" and len(node.input) > 7 \
+                and node.input[7] in rows:
+            found.append(rows[node.input[7]])
+        if any(name in derived for name in node.input):
+            derived.update(node.output)
+    return min(found) if found else None
+
+
 def graph_facts(model: Any) -> GraphFacts:
-    """Op types of a model's main graph and, for GroupQueryAttention models,
-    the length of the rotary cos table.
+    """Op types of a model's main graph, whether it holds GroupQueryAttention,
+    and the positions its tables can encode (see :func:`_position_rows`).
 
     Parameters
     ----------
@@ -124,20 +170,12 @@ def graph_facts(model: Any) -> GraphFacts:
     """
     graph = model.graph
     op_types = frozenset(node.op_type for node in graph.node)
-    max_positions = None
-    gqa_nodes = [n for n in graph.node if n.op_type == "GroupQueryAttention"]
-    if gqa_nodes and len(gqa_nodes[0].input) > 7 and gqa_nodes[0].input[7]:
-        cos_name = gqa_nodes[0].input[7]
-        for init in graph.initializer:
-            if init.name == cos_name and len(init.dims) == 2:
-                max_positions = int(init.dims[0])
-                break
-    return GraphFacts(bool(gqa_nodes), max_positions, op_types)
+    return GraphFacts("GroupQueryAttention" in op_types, _position_rows(graph), op_types)
 
 
 def _static_dim(shape: list, axis: int, name: str, what: str, override: int | None) -> int:
     if override is not None:
-        return int(override)
+        return check_positive_int(override, what)
     dim = shape[axis] if len(shape) > axis else None
     if isinstance(dim, int) and dim > 0:
         return dim

@@ -108,6 +108,12 @@ class Runner:
         Returns
         -------
         logits : ndarray, shape [B, vocab_size]
+
+        All or nothing: when it raises, the buffers still hold the K/V of
+        every earlier decode step (:meth:`recent_kv` gives them), so that the
+        engine can write them and run the batch's requests again apart.
+        Positions from ``lens`` on may have been overwritten: they hold
+        nothing yet.
         """
         raise NotImplementedError
 
@@ -164,9 +170,10 @@ class OptimumRunner(Runner):
             feeds[io.past_values[layer]] = v
         outs = self.session.run(self._outputs, feeds)
         n = io.num_layers
+        logits = outs[0][:, -1]
         self._past = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
         self._mask = mask
-        return outs[0][:, -1]
+        return logits
 
     def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         # the fed tokens are the last n columns of every row
@@ -231,9 +238,9 @@ class GqaRunner(Runner):
             inputs += (pos,)
         self._inputs = inputs   # keep the bound arrays alive through the run
         self.session.run_with_iobinding(binding)
-        self._next = lens + 1
         logits = (self._logits if self._logits is not None
                   else binding.get_outputs()[0].numpy())
+        self._next = lens + 1
         return logits[:, -1]
 
     def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:

@@ -1,0 +1,363 @@
+"""The batching loop of :class:`~pagedkv_np.onnxruntime.OrtDecoder`: which
+requests run, their decode steps and prefills, and what happens when one fails.
+
+One :meth:`Batcher.step` does, in order::
+
+    decode   every running request feeds its last token (one model call for
+             the batch); if the pool cannot give each one a slot, the
+             youngest requests are preempted (pages released into the
+             prefix index, recomputed later from prompt + generated tokens)
+    admit    waiting requests, oldest first, while the batch has room and the
+             pool has pages; each prefills only the part of its prompt the
+             prefix index does not hold (one model call per request)
+
+The runner keeps the decode batch's past K/V between steps; the new tokens'
+K/V reaches the pages every ``write_interval`` steps and before anything
+reads or releases those pages (see :mod:`pagedkv_np.onnxruntime.engine`).
+
+When a step fails, only the requests it concerns end:
+
+- A failure that belongs to one request (its prefill: model call, prefix
+  gather, page reservation, plan or write; its sampling; a decode step it
+  ran alone) finishes that request with ``finish_reason == "error"``; its
+  pages are released and its tokens kept.
+- A decode step of a batch that fails cannot tell which request caused it:
+  each request of the batch runs again alone, once, in the same step. When
+  what failed leaves the model's buffers and the pages apart (a page write
+  or slot reservation), the batch's requests are recomputed instead, and
+  each one's next decode step runs alone. Only a request that fails alone
+  fails, and every retry follows progress, so nothing is retried forever.
+- An interrupt (``KeyboardInterrupt``, ``SystemExit``) propagates after
+  every running request went back to the queue, to be recomputed; K/V not
+  yet written is never indexed.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+from ..cache import PagedKVCache
+from ..errors import RequestFailed
+from .requests import Request, StepEvents
+from .runners import Runner
+from .sampling import sample
+
+__all__ = ["Batcher"]
+
+# The GQA decode buffer holds at most this many positions beyond the longest
+# sequence; a longer run is re-gathered into a larger buffer.
+_MAX_HEADROOM = 512
+
+
+class Batcher:
+    """The queue, the running batch and their steps, over one cache and runner.
+
+    Invariants between steps: a request is in at most one of ``waiting`` and
+    ``running``; a running request holds a live sequence (``req.seq``), a
+    finished or waiting one none; the runner's buffers hold the requests of
+    ``_batch``, whose last ``_pending`` decode steps are not yet in the pages.
+
+    Parameters
+    ----------
+    cache : PagedKVCache
+    runner : Runner
+    max_batch_size, write_interval : int
+    max_positions : int or None
+        Caps the GQA decode buffers.
+    counters : dict
+        Updated in place (the decoder's ``stats``).
+    """
+
+    def __init__(self, cache: PagedKVCache, runner: Runner, max_batch_size: int,
+                 write_interval: int, max_positions: int | None, counters: dict) -> None:
+        self.cache = cache
+        self.runner = runner
+        self.max_batch_size = max_batch_size
+        self.write_interval = write_interval
+        self.max_positions = max_positions
+        self.counters = counters
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.finished_log: list[Request] = []   # finished since the last step returned
+        self._batch_rids: tuple[int, ...] | None = None
+        self._batch: list[Request] = []   # the requests in the runner's buffers
+        self._pending = 0                 # their decode steps not yet in the pages
+
+    def step(self) -> StepEvents:
+        """One decode step of the running requests, then admissions."""
+        events = StepEvents()
+        try:
+            preempted = self.decode(events)
+            if not preempted:
+                self.admit(events)
+        except BaseException:
+            # an interrupt (per-request failures are handled where they
+            # happen): nothing half done stays; what finished before it is
+            # reported by the next step
+            self.requeue_running()
+            raise
+        if not self.running:
+            self.forget_batch()
+        events.finished = frozenset(r.rid for r in self.finished_log)
+        events.errors = {r.rid: r.error for r in self.finished_log if r.error is not None}
+        self.finished_log.clear()
+        return events
+
+    def abort(self, req: Request) -> None:
+        """End ``req`` now (it is not finished); its pages go back to the pool."""
+        if req.seq is not None and req in self._batch:
+            self.flush()       # its decoded K/V stays cached
+        if req in self.waiting:          # also where a failed flush puts it
+            self.waiting.remove(req)
+        if req.finished:       # a failed flush ended it
+            return
+        if req.seq is not None:
+            self.running.remove(req)
+            self.cache.release(req.seq)
+            req.seq = None
+        self.finish(req, "abort")
+
+    def finish(self, req: Request, reason: str, cause: BaseException | None = None) -> None:
+        req.finish_reason = reason
+        if cause is not None:
+            req.error = RequestFailed(req.rid, cause)
+            self.counters["num_failed_requests"] += 1
+        self.finished_log.append(req)
+
+    def _accept(self, req: Request, token: int, events: dict) -> None:
+        req.generated.append(token)
+        events.setdefault(req.rid, []).append(token)
+        self.counters["num_generated_tokens"] += 1
+        if token in req.eos:
+            self.finish(req, "stop")
+        elif len(req.generated) >= req.max_new_tokens:
+            self.finish(req, "length")
+
+    def _retire_finished(self) -> None:
+        if any(r.finished for r in self.running):
+            if self._batch and any(r.finished for r in self._batch):
+                self.flush()
+            for req in self.running:
+                if req.finished and req.seq is not None:
+                    self.cache.release(req.seq)
+                    req.seq = None
+            self.running = [r for r in self.running if not r.finished]
+
+    def _preempt(self, req: Request) -> None:
+        if req in self._batch:
+            self.flush()
+        if req.seq is None:      # a failed flush took it out already
+            return
+        self.running.remove(req)
+        self.cache.release(req.seq)   # its full pages stay cached for the recompute
+        req.seq = None
+        self.waiting.appendleft(req)
+        self.counters["num_preemptions"] += 1
+
+    def forget_batch(self) -> None:
+        self.runner.reset()
+        self._batch_rids = None
+        self._batch = []
+        self._pending = 0
+
+    def requeue_running(self) -> None:
+        """After an interrupt: every running request that is not finished goes
+        back to the queue, to be recomputed; K/V not yet written is never
+        indexed."""
+        for req in reversed(self.running):
+            if req.seq is not None and not req.seq.is_released:
+                self.cache.release(req.seq)
+            req.seq = None
+            if not req.finished:
+                self.waiting.appendleft(req)
+        self.running = []
+        self.forget_batch()
+
+    def _drop_batch(self, cause: BaseException) -> None:
+        """The batch's decoded K/V cannot reach the pages: release its
+        requests, to be recomputed and then decoded alone (a batch of one
+        fails instead). Requests that had finished keep their tokens."""
+        batch, alone = self._batch, len(self._batch) == 1
+        self.forget_batch()
+        self.counters["num_batch_failures"] += 1
+        requeue = []
+        for req in batch:
+            if req.seq is None:
+                continue
+            self.cache.release(req.seq)
+            req.seq = None
+            self.running.remove(req)
+            if req.finished:
+                continue
+            if alone:
+                self.finish(req, "error", cause)
+            else:
+                req.isolate = True
+                requeue.append(req)
+        self.waiting.extendleft(reversed(requeue))
+
+    def flush(self) -> bool:
+        """Write the K/V of the batch's pending decode steps into the pages.
+
+        Returns False when that failed and the batch was dropped.
+        """
+        n = self._pending
+        if not n:
+            return True
+        cache, plan = self.cache, None
+        try:
+            plan = cache.plan([r.seq for r in self._batch])   # n new tokens per sequence
+            for layer, (k, v) in enumerate(self.runner.recent_kv(n)):
+                cache.write(layer, plan, k, v)
+        except BaseException as exc:
+            if plan is not None and not plan.is_written:
+                cache.discard(plan)
+            if not isinstance(exc, Exception):
+                raise
+            self._drop_batch(exc)
+            return False
+        self._pending = 0
+        return True
+
+    def decode(self, events: dict) -> bool:
+        """One token for every running request; returns whether any was preempted."""
+        cache, preempted, page_size = self.cache, False, self.cache.page_size
+        while self.running:
+            # a sequence needs a page for its next token iff its pages are full:
+            # the engine never forks, so no partly filled last page is shared
+            needed = sum(1 for r in self.running if r.seq.num_tokens % page_size == 0)
+            if needed <= cache.num_free_pages + cache.num_evictable_pages:
+                break
+            self._preempt(self.running[-1])   # youngest first: the oldest always advance
+            preempted = True
+        if not self.running:
+            return preempted
+        # requests whose batch failed run alone, then the rest together
+        groups = [[r] for r in self.running if r.isolate]
+        rest = [r for r in self.running if not r.isolate]
+        if rest:
+            groups.append(rest)
+        while groups:
+            groups.extend(self._decode_group(groups.pop(0), events))
+        self._retire_finished()
+        return preempted
+
+    def _decode_group(self, reqs: list[Request], events: dict) -> list[list[Request]]:
+        """One decode step of ``reqs`` together; returns the groups to run
+        again (each request alone, after a failure of the group)."""
+        reqs = [r for r in reqs if r.seq is not None and not r.finished]
+        if not reqs:
+            return []
+        cache = self.cache
+        # This runs once per token: plain Python for the batch's few numbers,
+        # since each NumPy call here costs more than its work (the model has
+        # just pushed the interpreter out of the CPU's caches).
+        seqs = [r.seq for r in reqs]
+        len_list = [s.num_tokens for s in seqs]
+        rids = tuple(r.rid for r in reqs)
+        if rids != self._batch_rids or self.runner.needs_gather(max(len_list)):
+            if not self.flush():
+                return []    # the old batch was dropped; the rest decode next step
+            self.forget_batch()
+            try:
+                gather_plan = cache.plan(seqs)   # no new tokens: exactly the cached past
+                remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
+                capacity = max(len_list) + 1 + min(remaining, _MAX_HEADROOM)
+                if self.max_positions is not None:
+                    capacity = min(capacity, self.max_positions)
+                self.runner.start_batch(
+                    lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out),
+                    np.array(len_list, dtype=np.int64), capacity)
+            except Exception as exc:
+                self.forget_batch()
+                return self._group_failed(reqs, exc)
+            self._batch_rids, self._batch = rids, list(reqs)
+            self.counters["num_regathers"] += 1
+        lens = np.array(len_list, dtype=np.int64)
+        tokens = np.array([r.generated[-1] for r in reqs], dtype=np.int64)
+        try:
+            # all or nothing: on failure the runner's buffers hold the batch's
+            # pending K/V as before, and the pages have nothing of this step
+            logits = self.runner.decode(tokens, lens)
+        except Exception as exc:
+            return self._group_failed(reqs, exc)
+        try:
+            cache.extend_batch(seqs, tokens)
+        except Exception as exc:
+            # the model's buffers are a token ahead of the pages
+            self._drop_batch(exc)
+            return []
+        self._pending += 1
+        self.counters["num_decode_steps"] += 1
+        greedy = logits.argmax(axis=-1).tolist()   # one call for the batch's greedy rows
+        for b, r in enumerate(reqs):
+            r.isolate = False
+            try:
+                token = greedy[b] if r.rng is None else sample(logits[b], r.params, r.rng)
+            except Exception as exc:
+                self.finish(r, "error", exc)   # released with the finished ones
+                continue
+            self._accept(r, token, events)
+        if self._pending >= self.write_interval:
+            self.flush()
+        return []
+
+    def _group_failed(self, reqs: list[Request], cause: Exception) -> list[list[Request]]:
+        """A decode step of ``reqs`` failed before anything of it reached the
+        pages: a request alone is the culprit; a batch is split up."""
+        if len(reqs) == 1:
+            self.finish(reqs[0], "error", cause)   # released with the finished ones
+            return []
+        self.counters["num_batch_failures"] += 1
+        for r in reqs:
+            r.isolate = True
+        return [[r] for r in reqs]
+
+    def admit(self, events: dict) -> None:
+        cache = self.cache
+        while self.waiting and len(self.running) < self.max_batch_size:
+            req = self.waiting[0]
+            seq = plan = None
+            try:
+                tokens = req.all_tokens()
+                seq = cache.add_sequence(tokens, salt=req.salt)
+                num_cached = seq.num_cached_tokens
+                needed = cache.num_pages_needed(seq, tokens.shape[0] - num_cached)
+                # keep a page per running request so the next decode step rarely preempts
+                if needed + len(self.running) > (cache.num_free_pages
+                                                  + cache.num_evictable_pages):
+                    cache.release(seq)
+                    break
+                past = None
+                if num_cached:
+                    gather_plan = cache.plan([seq])
+                    past = [cache.gather(layer, gather_plan, "BHTD")
+                            for layer in range(self.cache.num_layers)]
+                cache.extend(seq, tokens[num_cached:])
+                plan = cache.plan([seq])
+                logits, kv = self.runner.prefill(tokens[num_cached:], num_cached, past)
+                for layer, (k, v) in enumerate(kv):
+                    cache.write(layer, plan, k, v)
+                token = sample(logits, req.params, req.rng)
+            except BaseException as exc:
+                if plan is not None and not plan.is_written:
+                    cache.discard(plan)       # nothing of this prefill gets indexed
+                if seq is not None and not seq.is_released:
+                    cache.release(seq)
+                if not isinstance(exc, Exception):
+                    raise                     # an interrupt: it stays first in the queue
+                self.waiting.popleft()
+                self.finish(req, "error", exc)
+                continue
+            self.waiting.popleft()
+            req.seq = seq
+            self.running.append(req)
+            if not req.admitted:
+                req.admitted, req.num_cached = True, num_cached
+            self.counters["num_prefills"] += 1
+            self.counters["prefix_hit_tokens"] += num_cached
+            self.counters["prefix_query_tokens"] += tokens.shape[0]
+            self._accept(req, token, events)
+            self._retire_finished()

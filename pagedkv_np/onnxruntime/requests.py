@@ -1,0 +1,126 @@
+"""A generation request inside :class:`~pagedkv_np.onnxruntime.OrtDecoder`, what
+callers see of it, and what one step reports.
+
+A request's life::
+
+    queued ──admit──> running ──eos / max_new_tokens / abort / failure──> finished
+       ^                 │
+       └───preempted─────┘   (pages released; recomputed from its tokens)
+
+A finished request keeps its tokens and its :class:`RequestStatus` until
+``pop_output`` takes them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import RequestFailed
+from .sampling import SamplingParams
+
+__all__ = ["FINISH_REASONS", "RequestStatus", "StepEvents", "Request"]
+
+#: Why a request finished: an end token, its ``max_new_tokens``, ``abort``,
+#: or a failure of one of its steps.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+@dataclass(frozen=True)
+class RequestStatus:
+    """A snapshot of one request.
+
+    Attributes
+    ----------
+    request_id : int
+    finished : bool
+    finish_reason : {None, "stop", "length", "abort", "error"}
+        None while the request is queued or running.
+    num_prompt_tokens : int
+    num_cached_tokens : int
+        Prompt tokens served from the prefix cache when the request was first
+        admitted (0 before that).
+    num_generated_tokens : int
+    error : RequestFailed or None
+        Why the request failed (``finish_reason == "error"``).
+    """
+
+    request_id: int
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_generated_tokens: int
+    error: RequestFailed | None
+
+
+class StepEvents(dict):
+    """What one ``step()`` did: ``{request_id: [new token ids]}``, plus
+
+    Attributes
+    ----------
+    finished : frozenset of int
+        Requests that finished in this step, for any reason (failures
+        included), and those aborted since the previous step.
+    errors : dict of int to RequestFailed
+        The requests of ``finished`` that failed, and why.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finished: frozenset[int] = frozenset()
+        self.errors: dict[int, RequestFailed] = {}
+
+    def __repr__(self) -> str:
+        return (f"StepEvents({dict.__repr__(self)}, finished={sorted(self.finished)}, "
+                f"errors={sorted(self.errors)})")
+
+
+class Request:
+    """A request's prompt, budget, sampler and progress (the engine's record).
+
+    While running, every token but the last generated one has its K/V in the
+    cache: ``seq.num_tokens == len(prompt) + len(generated) - 1``.
+    ``isolate`` marks a request whose batch failed: its next decode step
+    runs it alone, so that a failure there is its own.
+    """
+
+    __slots__ = ("rid", "prompt", "max_new_tokens", "eos", "params", "rng", "salt",
+                 "generated", "seq", "finish_reason", "error", "num_cached", "admitted",
+                 "isolate")
+
+    def __init__(self, prompt: np.ndarray, max_new_tokens: int, eos: frozenset[int],
+                 params: SamplingParams, rng: np.random.Generator | None, salt: Any) -> None:
+        self.rid = -1
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.eos = eos
+        self.params = params
+        self.rng = rng
+        self.salt = salt
+        self.generated: list[int] = []
+        # the cache Sequence while running, else None; Any because the running
+        # loop relies on that state instead of narrowing it on every token
+        self.seq: Any = None
+        self.finish_reason: str | None = None
+        self.error: RequestFailed | None = None
+        self.num_cached = 0
+        self.admitted = False
+        self.isolate = False
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def all_tokens(self) -> np.ndarray:
+        """int64 [len(prompt) + len(generated)]: what a recompute feeds."""
+        if not self.generated:
+            return self.prompt
+        return np.concatenate([self.prompt, np.asarray(self.generated, dtype=np.int64)])
+
+    def status(self) -> RequestStatus:
+        return RequestStatus(self.rid, self.finished, self.finish_reason,
+                             int(self.prompt.shape[0]), self.num_cached,
+                             len(self.generated), self.error)
