@@ -213,8 +213,11 @@ def test_weights_and_logits_match_the_original_model(tmp_path, arch, qtype, mode
             want = want.astype(np.float16).astype(np.float32)
         np.testing.assert_array_equal(got, want, err_msg=name)
     if mode == "q4":
-        is_blocks = qtype not in (Q.F32, Q.F16)
+        # Q8_0 runs as float32 unless activations are int8 (see the next test)
+        is_blocks = qtype in (Q.Q4_0, Q.Q4_1)
         assert ("l0.wq.qweight" in inits) == is_blocks
+        if not is_blocks:
+            assert inits["l0.wq"].dtype == (np.float16 if qtype == Q.F16 else np.float32)
         assert ("l0.wq.mins" in inits) == (qtype == Q.Q4_1)
     ref = dict(spec.reference)
     if mode == "float16":
@@ -232,6 +235,29 @@ def test_weights_and_logits_match_the_original_model(tmp_path, arch, qtype, mode
             stored[f"l{i}.wk"] = interleave_rows(ref[f"l{i}.wk"].T, 2).T
         wrong = reference_logits(spec.geometry, stored, tokens)
         assert np.abs(wrong - want).max() > 0.05 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
+def test_int8_activations_keep_every_block_type(tmp_path, qtype):
+    spec = write_gguf(tmp_path / "m.gguf", "llama", qtype, seed=4)
+    cache = tmp_path / "cache"
+    exact = import_gguf(spec.path, cache_dir=cache)
+    fast = import_gguf(spec.path, cache_dir=cache, accuracy_level=4)
+    assert fast != exact and "acc4" in fast.name
+    inits = _initializers(fast)
+    assert "l0.wq.qweight" in inits and "lm_head.qweight" in inits   # tied head: blocks too
+    for name in ("l0.wq", "l1.w_down", "lm_head"):
+        want = spec.reference["embed"].T if name == "lm_head" else spec.reference[name]
+        np.testing.assert_array_equal(_model_weight(inits, name), want, err_msg=name)
+    levels = {a.i for n in onnx.load(str(fast / "model.onnx"), load_external_data=False).graph.node
+              if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"}
+    assert levels == {4}
+    tokens = np.random.default_rng(1).integers(0, spec.geometry.vocab_size, 30).tolist()
+    want = reference_logits(spec.geometry, spec.reference, tokens)
+    got = _logits(_session(fast), tokens)
+    assert 0 < np.abs(got - want).max() < 0.05 * np.abs(want).max()
+    with pytest.raises(ConfigError, match="accuracy_level"):
+        import_gguf(spec.path, cache_dir=cache, accuracy_level=2)
 
 
 @pytest.mark.parametrize("family", ["gqa", "optimum"])

@@ -46,7 +46,7 @@ leaves nothing behind.
 Command line::
 
     python -m pagedkv_np.onnxruntime.gguf_import FILE.gguf [--weights q4]
-        [--family gqa] [--out DIR]
+        [--family gqa] [--accuracy-level 0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -234,7 +234,16 @@ def _unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return rows[order.reshape(-1)]
 
 
-def _weights(f: _File, arch: str, c: DecoderGeometry, mode: str
+def _kept_blocks(mode: str, accuracy_level: int) -> dict:
+    """The GGUF types whose blocks the graph runs as MatMulNBits. Q8_0 only with
+    int8 activations: onnxruntime 1.32's 8-bit MatMulNBits at accuracy_level 0
+    took ~20x the time of a float32 MatMul here, and Q8_0 is exact in float32."""
+    if mode != "q4":
+        return {}
+    return {q: kind for q, kind in _BLOCKS.items() if q != _Q.Q8_0 or accuracy_level == 4}
+
+
+def _weights(f: _File, arch: str, c: DecoderGeometry, mode: str, blocks: dict
              ) -> tuple[DecoderGeometry, dict[str, Linear]]:
     expected = _expected(c)
     for name, t in f.tensors.items():
@@ -266,24 +275,24 @@ def _weights(f: _File, arch: str, c: DecoderGeometry, mode: str
             raise GGUFFormatError(f"{f.path!r}: tensor {name!r} cannot be read: {exc}") from None
         if permuted and key[-2:] in ("wq", "bq", "wk", "bk"):
             raw = _unpermute(raw, c.num_heads if key[-1] == "q" else c.num_kv_heads)
-        out[key] = _convert(raw, t.tensor_type, key, mode)
+        out[key] = _convert(raw, t.tensor_type, key, mode, blocks)
     embed = f.tensors["token_embd.weight"]
-    if "lm_head" not in out and mode == "q4" and embed.tensor_type in _BLOCKS:
+    if "lm_head" not in out and embed.tensor_type in blocks:
         # the tied head keeps the embedding's blocks; the graph gets it as its own head
-        out["lm_head"] = BlockQuantized(_BLOCKS[embed.tensor_type], np.array(embed.data))
+        out["lm_head"] = BlockQuantized(blocks[embed.tensor_type], np.array(embed.data))
         c = dataclasses.replace(c, tie_word_embeddings=False)
     return c, out
 
 
-def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str) -> Linear:
+def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> Linear:
     """One tensor as the graph takes it: [in, out] matrices, float vectors."""
     if key in ("final_norm", "rope_freqs") or key.endswith(("norm", ".bq", ".bk", ".bv")):
         return gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     if key == "embed":      # gathered by rows: float [vocab, hidden]
         dtype = np.float16 if mode == "float16" else np.float32
         return gguf.quants.dequantize(raw, qtype).astype(dtype)
-    if mode == "q4" and qtype in _BLOCKS:
-        return BlockQuantized(_BLOCKS[qtype], raw)
+    if qtype in blocks:
+        return BlockQuantized(blocks[qtype], raw)
     if mode == "q4":
         dtype = np.float16 if qtype == _Q.F16 else np.float32
     else:
@@ -358,24 +367,48 @@ def _text_files(f: _File, arch: str, c: DecoderGeometry, family: str, tied: bool
             "tokenizer_config.json": tok_config, "genai_config.json": genai}
 
 
-def _check_options(weights: Any, family: Any) -> None:
-    if weights not in WEIGHT_MODES:
-        raise ConfigError(f"Invalid weights: expected one of {WEIGHT_MODES}, got {weights!r}")
-    if family not in FAMILIES:
-        raise ConfigError(f"Invalid family: expected one of {FAMILIES}, got {family!r}")
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    weights: str
+    family: str
+    accuracy_level: int
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_MODES:
+            raise ConfigError(f"Invalid weights: expected one of {WEIGHT_MODES}, "
+                              f"got {self.weights!r}")
+        if self.family not in FAMILIES:
+            raise ConfigError(f"Invalid family: expected one of {FAMILIES}, "
+                              f"got {self.family!r}")
+        if self.accuracy_level not in (0, 4):
+            raise ConfigError(f"Invalid accuracy_level: expected 0 or 4, "
+                              f"got {self.accuracy_level!r}")
+
+    @property
+    def tag(self) -> str:
+        """How the options appear in a cache folder's name."""
+        acc = f"-acc{self.accuracy_level}" if self.accuracy_level else ""
+        return f"{self.weights}{acc}-{self.family}"
+
+    def provenance(self, path: str) -> dict:
+        return {"source": os.path.basename(path), "weights": self.weights,
+                "family": self.family, "accuracy_level": self.accuracy_level,
+                "format_version": FORMAT_VERSION}
 
 
-def _build(path: str, folder: Path, weights: str, family: str, provenance: dict) -> None:
+def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
     """Write the model folder's files into ``folder`` (an empty directory)."""
     f = _File(path)
     arch, c = _geometry(f)
-    if family == "gqa" and c.head_dim % 16:
+    if opts.family == "gqa" and c.head_dim % 16:
         raise UnsupportedModelError(f"{path!r}: head size {c.head_dim} is not a multiple of "
                                     "16, which GroupQueryAttention needs; use family='optimum'")
-    text = _text_files(f, arch, c, family, c.tie_word_embeddings)
-    graph_geometry, tensors = _weights(f, arch, c, weights)
+    text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
+    graph_geometry, tensors = _weights(f, arch, c, opts.weights,
+                                       _kept_blocks(opts.weights, opts.accuracy_level))
     del f
-    model = build_decoder(graph_geometry, tensors, family=family, name=f"{arch}_{weights}")
+    model = build_decoder(graph_geometry, tensors, family=opts.family,
+                          accuracy_level=opts.accuracy_level, name=f"{arch}_{opts.weights}")
     del tensors
     save_decoder(model, folder)
     del model
@@ -386,13 +419,13 @@ def _build(path: str, folder: Path, weights: str, family: str, provenance: dict)
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_atomically(path: str, target: Path, weights: str, family: str,
-                      provenance: dict) -> Path:
+def _write_atomically(path: str, target: Path, opts: _Options, provenance: dict) -> Path:
     """Build into a fresh directory beside ``target``, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
-        _build(path, tmp, weights, family, provenance)
+        os.chmod(tmp, 0o755)     # mkdtemp's 0700 would hide a shared cache from other users
+        _build(path, tmp, opts, provenance)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -406,27 +439,23 @@ def _write_atomically(path: str, target: Path, weights: str, family: str,
 
 
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "q4",
-                 family: str = "gqa") -> Path:
+                 family: str = "gqa", accuracy_level: int = 0) -> Path:
     """Write the model folder for ``path`` at ``out_dir`` (which must not exist
     or be empty), without the cache. Same options and errors as :func:`import_gguf`."""
-    _check_options(weights, family)
+    opts = _Options(weights, family, accuracy_level)
     target = Path(out_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"Invalid out_dir: {str(target)!r} exists and is not an empty folder")
+    source = os.fspath(path)
+    if not os.path.isfile(source):
+        raise ConfigError(f"Invalid path: no file {source!r}")
     if target.is_dir():
         target.rmdir()
-    source = os.fspath(path)
-    return _write_atomically(source, target, weights, family,
-                             _provenance(source, weights, family))
-
-
-def _provenance(path: str, weights: str, family: str) -> dict:
-    return {"source": os.path.basename(path), "weights": weights, "family": family,
-            "format_version": FORMAT_VERSION}
+    return _write_atomically(source, target, opts, opts.provenance(source))
 
 
 def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "gqa",
-                cache_dir: str | os.PathLike | None = None) -> Path:
+                cache_dir: str | os.PathLike | None = None, accuracy_level: int = 0) -> Path:
     """The model folder of a GGUF file, built once and cached.
 
     Parameters
@@ -439,6 +468,11 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         The graph's I/O family (:mod:`pagedkv_np.onnxruntime.model_io`).
     cache_dir : str or path, optional
         Where model folders are kept (default :func:`cache_dir_default`).
+    accuracy_level : {0, 4}
+        MatMulNBits' ``accuracy_level`` in ``"q4"`` mode: 0 computes with the
+        file's exact weights in float32; 4 quantizes activations to int8, as
+        llama.cpp does for its 4-bit products (faster, not exact), and then
+        also runs Q8_0 tensors as 8-bit blocks.
 
     Returns
     -------
@@ -450,24 +484,23 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
     Raises
     ------
     ConfigError
-        An unknown mode or family, or no such file.
+        An unknown mode, family or accuracy level, or no such file.
     UnsupportedModelError
         An architecture, tensor type (the message names the tensor), tokenizer
         or feature this importer does not convert.
     GGUFFormatError
         A truncated or corrupt file (a subclass of UnsupportedModelError).
     """
-    _check_options(weights, family)
+    opts = _Options(weights, family, accuracy_level)
     source = os.fspath(path)
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
     digest = file_digest(source)
-    target = root / f"{digest[:32]}-{weights}-{family}-v{FORMAT_VERSION}"
+    target = root / f"{digest[:32]}-{opts.tag}-v{FORMAT_VERSION}"
     if (target / "model.onnx").is_file() and (target / "config.json").is_file():
         return target
-    provenance = dict(_provenance(source, weights, family), blake2b=digest)
-    return _write_atomically(source, target, weights, family, provenance)
+    return _write_atomically(source, target, opts, dict(opts.provenance(source), blake2b=digest))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -477,14 +510,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("path", help="the .gguf file")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="q4")
     parser.add_argument("--family", choices=FAMILIES, default="gqa")
+    parser.add_argument("--accuracy-level", type=int, choices=(0, 4), default=0,
+                        help="q4 mode: 4 computes with int8 activations (faster, inexact)")
     parser.add_argument("--out", default=None,
                         help="write the folder here instead of the cache")
     args = parser.parse_args(argv)
+    options = dict(weights=args.weights, family=args.family,
+                   accuracy_level=args.accuracy_level)
     try:
         if args.out is not None:
-            folder = convert_gguf(args.path, args.out, weights=args.weights, family=args.family)
+            folder = convert_gguf(args.path, args.out, **options)
         else:
-            folder = import_gguf(args.path, weights=args.weights, family=args.family)
+            folder = import_gguf(args.path, **options)
     except (ConfigError, UnsupportedModelError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
