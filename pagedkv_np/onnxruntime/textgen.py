@@ -119,13 +119,15 @@ class TextIterator:
         if self.finish_reason is not None:
             return ""
         dec, rid = self.decoder, self.request_id
+        # finished is read first: another thread may step between the two reads
+        finished = dec.is_finished(rid)
         new = dec.get_output(rid)[len(self.token_ids):]
         self.token_ids.extend(new)
         delta = self._stream.push(new)
         if self._stream.stopped:
             dec.abort(rid)
             self._end("stop")
-        elif dec.is_finished(rid):
+        elif finished:
             delta += self._stream.finish()
             ended_by_eos = bool(self.token_ids) and \
                 self.token_ids[-1] in self._stream.eos_token_ids
