@@ -1,0 +1,445 @@
+"""The cache's side of the tiers: what goes down, what comes back, and checks.
+
+:class:`TierManager` is the one object :class:`~pagedkv_np.PagedKVCache`
+calls. Three hooks, each called with the cache's lock held:
+
+- :meth:`~TierManager.offer` when a full page enters the prefix index
+  (write-through): it records the page and queues it, nothing more; the
+  writer thread copies the page's K/V (under the cache's lock, if the page
+  is still the same), encodes it and puts it to every tier;
+- :meth:`~TierManager.evict_hook` wraps the pool's eviction callback: a
+  page about to be reused whose copy has not been taken yet is copied now,
+  and a page whose offer was dropped (queue full) is offered again;
+- :meth:`~TierManager.load` when ``add_sequence`` misses in RAM: the keys of
+  the following pages of the prompt's chain are asked of each tier in turn
+  (nearest first, one batched call each, within ``read_timeout``); the
+  longest run of entries that pass every check is loaded into pages from
+  the pool and indexed as if computed here. Pages found in a farther tier
+  are also queued for the nearer ones.
+
+An entry is served only if its CRC holds and its key, chained digest,
+parent digest, tokens and format all equal the requester's; anything else
+is counted as ``rejected``, discarded from its tier and never served.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..errors import ConfigError, DTypeError
+from ..prefix import encode_salt
+from .base import (CorruptPage, PageFormat, Tier, TierUnavailable, decode_page, encode_page,
+                   page_key, tier_scope)
+
+__all__ = ["TierManager", "open_tiers", "attach_tiers", "flat_stats"]
+
+SECRET_FILE = "secret"
+
+
+@dataclass
+class _Pending:
+    """A page offered to the tiers, its K/V not copied yet (``arrays`` None)."""
+
+    page_id: int
+    identity: tuple
+    key: bytes
+    digest: bytes
+    parent_digest: bytes
+    tokens: bytes
+    arrays: list | None = None
+    blob: bytes | None = None       # an entry already encoded (a promotion)
+    targets: tuple = ()             # tier indexes; () = every tier
+
+
+def _to_host(a: Any) -> np.ndarray:
+    return np.ascontiguousarray(a.get() if hasattr(a, "get") else a)
+
+
+class TierManager:
+    """Tiers below the page pool of one cache.
+
+    Parameters
+    ----------
+    tiers : list of Tier
+        Nearest (cheapest to read) first.
+    store : KVStore
+        The cache's store (page format and arrays).
+    index : PrefixIndex
+        The cache's prefix index (secret, digests, identities).
+    lock : lock
+        The cache's lock (the writer thread takes it to copy a page).
+    model_id : str
+        Model fingerprint; part of every key.
+    queue_size : int
+        Pages waiting to be written at most; more are dropped and counted.
+    read_timeout : float
+        Seconds an admission spends asking tiers at most.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], store: Any, index: Any, lock: Any, model_id: str,
+                 queue_size: int = 256, read_timeout: float = 1.0) -> None:
+        from .worker import WriteQueue
+        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+            raise ConfigError(f"Invalid queue_size: expected an integer >= 1, got {queue_size!r}")
+        if (isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float))
+                or not read_timeout > 0):
+            raise ConfigError(f"Invalid read_timeout: expected seconds > 0, got {read_timeout!r}")
+        self.tiers = list(tiers)
+        self.store, self.index, self._lock = store, index, lock
+        self.format = PageFormat.from_store(store)
+        self.model_id = model_id
+        self.scope = tier_scope(model_id, self.format)
+        self.read_timeout = float(read_timeout)
+        self._pending: dict[int, _Pending] = {}   # queued, not copied yet
+        self._unsent: dict[int, _Pending] = {}    # dropped when offered; retried on eviction
+        # the writer holds the manager weakly, so a dropped cache is collected
+        write = weakref.WeakMethod(self._write)
+        self._queue = WriteQueue(queue_size, lambda batch: _call_alive(write, batch))
+        self._finalizer = weakref.finalize(self, _close, self._queue, list(self.tiers))
+
+    # ------------------------------------------------------------- writing
+    def key(self, salt: Any, digest: bytes) -> bytes:
+        return page_key(self.index.secret, self.scope, encode_salt(salt), digest)
+
+    def offer(self, page_id: int, digest: bytes, parent_digest: bytes, tokens: bytes,
+              salt: Any) -> None:
+        """A page was indexed: queue it for the tiers (cheap; no copy here)."""
+        item = _Pending(page_id, self.index.identity(page_id), self.key(salt, digest), digest,
+                        parent_digest, tokens)
+        self._submit(item)
+
+    def _submit(self, item: _Pending) -> None:
+        if self._queue.submit(item):
+            if item.arrays is None and item.blob is None:
+                self._pending[item.page_id] = item
+        else:
+            for i, tier in enumerate(self.tiers):
+                if not item.targets or i in item.targets:
+                    tier.stats.add(drops=1)
+            if item.blob is None:
+                self._unsent[item.page_id] = item
+
+    def _copy(self, page_id: int) -> list[np.ndarray]:
+        s = self.store
+        arrays = [s.k, s.v] if s.k_scale is None else [s.k, s.v, s.k_scale, s.v_scale]
+        return [_to_host(a[:, page_id]) for a in arrays]
+
+    def evict_hook(self, then: Any) -> Any:
+        """The pool's eviction callback: save what the tiers still need of
+        the page, then call ``then(page_id)``."""
+        def on_evict(page_id: int) -> None:
+            item = self._pending.pop(page_id, None)
+            if item is not None:
+                item.arrays = self._copy(page_id)
+            unsent = self._unsent.pop(page_id, None)
+            if unsent is not None:
+                unsent.arrays = self._copy(page_id)
+                self._submit(unsent)
+            then(page_id)
+        return on_evict
+
+    def _write(self, batch: list[_Pending]) -> None:
+        """In the writer thread: copy, encode and put a batch of pages."""
+        per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
+        for item in batch:
+            if item.arrays is None and item.blob is None:
+                with self._lock:
+                    if self._pending.get(item.page_id) is not item:
+                        continue      # evicted and copied, or gone: nothing to do here
+                    del self._pending[item.page_id]
+                    if self.index.identity(item.page_id) != item.identity:
+                        continue
+                    item.arrays = self._copy(item.page_id)
+            blob = item.blob
+            if blob is None:
+                assert item.arrays is not None
+                blob = encode_page(item.key, item.digest, item.parent_digest, item.tokens,
+                                   self.format.descr, item.arrays)
+            for i in range(len(self.tiers)):
+                if not item.targets or i in item.targets:
+                    per_tier[i].append((item.key, blob))
+        for tier, items in zip(self.tiers, per_tier):
+            if not items:
+                continue
+            t0 = time.perf_counter()
+            try:
+                stored = tier.put(items)
+            except TierUnavailable:
+                tier.stats.add(drops=len(items))
+                continue
+            except Exception:
+                tier.stats.add(errors=1, drops=len(items))
+                continue
+            ok = [len(b) for (_, b), s in zip(items, stored) if s]
+            tier.stats.add(num_writes=1, write_seconds=time.perf_counter() - t0,
+                           pages_written=len(ok), bytes_written=sum(ok),
+                           drops=len(items) - len(ok))
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until every queued page is written; False on timeout."""
+        return self._queue.flush(timeout)
+
+    def close(self) -> None:
+        """Write what is queued (a few seconds at most), stop, close the tiers."""
+        self._finalizer()
+
+    # ------------------------------------------------------------- reading
+    def load(self, pool: Any, salt: Any, digests: list, identities: list, token_bytes: bytes,
+             max_pages: int) -> tuple[list[int], list[bytes], list[tuple]]:
+        """Load the pages after ``digests`` of the prompt's chain from the tiers.
+
+        Parameters
+        ----------
+        pool : PagePool
+            Loaded pages are allocated from it (ref count 1, for the caller's
+            sequence) and marked cached.
+        digests, identities : lists
+            The chain found in RAM so far.
+        token_bytes : bytes
+            The prompt as int64 token ids.
+        max_pages : int
+            Full pages the prompt may take from the cache in all.
+
+        Returns
+        -------
+        page_ids, digests, identities : lists
+            The pages loaded, in chain order, and their index entries.
+        """
+        start = len(digests)
+        index, page_size = self.index, self.store.page_size
+        if start:
+            parent_digest, parent = digests[-1], identities[-1]
+        else:
+            parent_digest, parent = index.root(salt)
+        num = min(max_pages - start, pool.num_available)
+        if num <= 0 or parent is None:
+            return [], [], []
+        step = 8 * page_size
+        chain, d = [], parent_digest
+        for i in range(start, start + num):
+            chunk = token_bytes[i * step:(i + 1) * step]
+            nd = index.page_digest(d, chunk)
+            chain.append((nd, d, chunk))
+            d = nd
+        keys = [self.key(salt, c[0]) for c in chain]
+        found: list[list[np.ndarray]] = []
+        blobs: list[bytes] = []
+        deadline = time.monotonic() + self.read_timeout
+        for tier_idx, tier in enumerate(self.tiers):
+            if len(found) == num or time.monotonic() >= deadline:
+                break
+            first = len(found)
+            got = self._read(tier, keys[first:])
+            for j, blob in enumerate(got):
+                if blob is None:
+                    tier.stats.add(misses=len(got) - j)
+                    break
+                arrays = self._verify(tier, blob, keys[first + j], chain[first + j])
+                if arrays is None:
+                    tier.stats.add(misses=len(got) - j - 1)
+                    break
+                tier.stats.add(hits=1, bytes_read=len(blob))
+                found.append(arrays)
+                blobs.append(blob)
+            if tier_idx and len(found) > first:   # promote to the nearer tiers
+                for j in range(first, len(found)):
+                    self._submit(_Pending(-1, (), keys[j], b"", b"", b"", blob=blobs[j],
+                                          targets=tuple(range(tier_idx))))
+        page_ids: list[int] = []
+        new_digests: list[bytes] = []
+        new_ids: list[tuple] = []
+        for (digest, pdigest, chunk), arrays in zip(chain, found):
+            page_id = pool.allocate(1)[0]
+            self._store_page(page_id, arrays)
+            digest, ident, indexed = index.insert(page_id, pdigest, parent, chunk)
+            if not indexed or ident is None:
+                pool.free([page_id])
+                break
+            pool.mark_cached(page_id)
+            page_ids.append(page_id)
+            new_digests.append(digest)
+            new_ids.append(ident)
+            parent = ident
+        index.count_hit(len(page_ids) * page_size)
+        return page_ids, new_digests, new_ids
+
+    def _read(self, tier: Tier, keys: list[bytes]) -> list[bytes | None]:
+        t0 = time.perf_counter()
+        try:
+            got = tier.get(keys)
+        except TierUnavailable:
+            tier.stats.add(misses=len(keys))
+            return [None] * len(keys)
+        except Exception:
+            tier.stats.add(errors=1, misses=len(keys))
+            return [None] * len(keys)
+        tier.stats.add(num_reads=1, read_seconds=time.perf_counter() - t0)
+        if len(got) != len(keys):
+            tier.stats.add(errors=1, misses=len(keys))
+            return [None] * len(keys)
+        return got
+
+    def _verify(self, tier: Tier, blob: Any, key: bytes, link: tuple) -> list | None:
+        """The entry's arrays if it is the page asked for, else None (counted)."""
+        digest, parent_digest, chunk = link
+        try:
+            rec = decode_page(blob)
+            ok = (rec.key == key and rec.digest == digest and rec.parent_digest == parent_digest
+                  and rec.tokens == chunk and rec.descr == self.format.descr
+                  and len(rec.payload) == self.format.nbytes)
+        except CorruptPage:
+            ok = False
+        if not ok:
+            tier.stats.add(rejected=1)
+            try:
+                tier.discard([key])
+            except Exception:
+                tier.stats.add(errors=1)
+            return None
+        return self.format.split(rec.payload)
+
+    def _store_page(self, page_id: int, arrays: list[np.ndarray]) -> None:
+        s = self.store
+        targets = [s.k, s.v] if s.k_scale is None else [s.k, s.v, s.k_scale, s.v_scale]
+        for dst, src in zip(targets, arrays):
+            dst[:, page_id] = src
+
+    # --------------------------------------------------------------- stats
+    @property
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Counters of each tier by name (see :class:`~pagedkv_np.tiers.base.TierStats`)."""
+        out = {t.name: t.stats.as_dict() for t in self.tiers}
+        for name in out:
+            out[name]["queued"] = len(self._queue)
+        return out
+
+
+def _call_alive(method: Any, batch: list) -> None:
+    fn = method()
+    if fn is not None:
+        fn(batch)
+
+
+def _close(queue: Any, tiers: list) -> None:
+    queue.close(5.0)
+    for tier in tiers:
+        try:
+            tier.close()
+        except Exception:
+            pass
+
+
+def _disk_secret(directory: str) -> bytes:
+    """The secret kept in the disk tier's directory (made on first use), so
+    that a restarted process finds its pages."""
+    path = os.path.join(directory, SECRET_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        for _ in range(50):   # another process is writing it
+            with open(path, "rb") as f:
+                secret = f.read()
+            if len(secret) == 32:
+                return secret
+            time.sleep(0.01)
+        raise ConfigError(f"Invalid disk_cache: {path!r} does not hold a 32-byte secret")
+    secret = os.urandom(32)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return secret
+
+
+def open_tiers(disk_cache: Any = None, disk_cache_bytes: Any = None, redis_url: Any = None,
+               model_id: Any = None, hash_secret: Any = None,
+               tier_options: Any = None) -> tuple[list[Tier], bytes | None]:
+    """Check the tier arguments of a cache and open its tiers.
+
+    Returns the tiers (nearest first; empty when none is asked for) and the
+    hash secret to use: ``hash_secret`` if given, else, with a disk tier,
+    the secret kept in its directory.
+
+    Raises
+    ------
+    ConfigError, DTypeError
+        A bad directory, size, URL or option, a missing ``model_id``, or a
+        Redis tier without ``hash_secret`` (processes sharing a server must
+        agree on it).
+    ImportError
+        ``redis_url`` without the redis client installed.
+    """
+    from .disk import DEFAULT_DISK_BYTES, DiskTier
+    if disk_cache is None and redis_url is None:
+        if disk_cache_bytes is not None:
+            raise ConfigError("Invalid disk_cache_bytes: given without disk_cache")
+        return [], hash_secret
+    if tier_options is None:
+        tier_options = {}
+    if not isinstance(tier_options, dict):
+        raise DTypeError(f"Invalid tier_options: expected a dict, got "
+                         f"{type(tier_options).__name__}")
+    unknown = set(tier_options) - {"queue_size", "read_timeout", "redis"}
+    if unknown:
+        raise ConfigError(f"Invalid tier_options: unknown option(s) {sorted(unknown)}; "
+                          "expected queue_size, read_timeout, redis")
+    if not isinstance(model_id, str) or not model_id:
+        raise ConfigError("Invalid model_id: a cache with disk_cache or redis_url needs a "
+                          "non-empty str naming the model (its fingerprint), so that pages "
+                          "of different models never mix")
+    if redis_url is not None and hash_secret is None:
+        raise ConfigError("Invalid hash_secret: processes sharing a Redis tier must give "
+                          "the same hash_secret")
+    tiers: list[Tier] = []
+    try:
+        if disk_cache is not None:
+            disk = DiskTier(disk_cache, DEFAULT_DISK_BYTES if disk_cache_bytes is None
+                            else disk_cache_bytes)
+            tiers.append(disk)
+            if hash_secret is None:
+                hash_secret = _disk_secret(disk.directory)
+        elif disk_cache_bytes is not None:
+            raise ConfigError("Invalid disk_cache_bytes: given without disk_cache")
+        if redis_url is not None:
+            from .redis import RedisTier
+            redis_options = tier_options.get("redis", {})
+            if not isinstance(redis_options, dict):
+                raise DTypeError("Invalid tier_options['redis']: expected a dict of "
+                                 "RedisTier options")
+            try:
+                tiers.append(RedisTier(redis_url, **redis_options))
+            except TypeError as exc:
+                raise DTypeError(f"Invalid tier_options['redis']: {exc}") from None
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    return tiers, hash_secret
+
+
+def attach_tiers(tiers: list[Tier], pool: Any, store: Any, index: Any, lock: Any,
+                 model_id: str, tier_options: dict | None) -> TierManager | None:
+    """A manager for ``tiers`` (None when there are none), hooked into the
+    pool's evictions."""
+    if not tiers:
+        return None
+    options = {k: v for k, v in (tier_options or {}).items() if k != "redis"}
+    try:
+        manager = TierManager(tiers, store, index, lock, model_id, **options)
+    except BaseException:
+        for tier in tiers:
+            tier.close()
+        raise
+    pool.on_evict = manager.evict_hook(pool.on_evict or (lambda page_id: None))
+    return manager
+
+
+def flat_stats(manager: "TierManager | None") -> dict[str, float]:
+    """The tiers' counters as flat ``tier_<name>_<counter>`` entries."""
+    if manager is None:
+        return {}
+    return {f"tier_{name}_{k}": v for name, d in manager.stats.items() for k, v in d.items()}
