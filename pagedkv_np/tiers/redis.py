@@ -18,6 +18,7 @@ Eviction on the server is the server's: give it ``maxmemory`` and
 from __future__ import annotations
 
 import time
+import urllib.parse
 from typing import Any, Sequence
 
 from ..errors import ConfigError, DTypeError
@@ -32,6 +33,34 @@ except ImportError:   # checked when a tier is made
 __all__ = ["RedisTier"]
 
 _SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _check_url(url: str) -> str:
+    """The URL with its password hidden (for messages); raises ConfigError
+    for a URL the client would misread."""
+    if not url.startswith(_SCHEMES):
+        raise ConfigError(f"Invalid redis_url: {url!r} does not start with one of "
+                          f"{', '.join(_SCHEMES)}")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        raise ConfigError(f"Invalid redis_url: {url!r} has a port that is not a number "
+                          "in [0, 65535]") from None
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"Invalid redis_url: {url!r} names no socket path")
+    else:
+        if not parts.hostname:
+            raise ConfigError(f"Invalid redis_url: {url!r} names no host")
+        db = parts.path.lstrip("/")
+        if db and not db.isdigit():
+            raise ConfigError(f"Invalid redis_url: the database {db!r} of {url!r} is not a "
+                              "number")
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(":" + parts.password + "@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def _require_redis() -> Any:
@@ -70,9 +99,7 @@ class RedisTier(Tier):
         super().__init__()
         if not isinstance(url, str):
             raise DTypeError(f"Invalid redis_url: expected a str, got {type(url).__name__}")
-        if not url.startswith(_SCHEMES):
-            raise ConfigError(f"Invalid redis_url: {url!r} does not start with one of "
-                              f"{', '.join(_SCHEMES)}")
+        shown = _check_url(url)
         if not isinstance(namespace, str) or not namespace:
             raise ConfigError("Invalid namespace: expected a non-empty str")
         for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):
@@ -88,8 +115,8 @@ class RedisTier(Tier):
         try:
             self.client = lib.Redis.from_url(url, **options)
         except (ValueError, TypeError) as exc:
-            raise ConfigError(f"Invalid redis_url: {url!r} ({exc})") from None
-        self.url = url
+            raise ConfigError(f"Invalid redis_url: {shown!r} ({exc})") from None
+        self.url = shown
         self.prefix = namespace.encode("utf-8") + b":"
         self.retry_interval = float(retry_interval)
         self.ttl = ttl
