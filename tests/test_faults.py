@@ -298,6 +298,18 @@ def test_status_and_step_events_report_every_finish():
     assert dec.status(length).num_generated_tokens == 3
 
 
+def test_generate_leaves_the_finishes_of_other_requests_to_the_next_step():
+    family = "gqa"
+    dec = decoder(family)
+    other = dec.add_request(PROMPTS[4], max_new_tokens=2)
+    assert dec.generate([PROMPTS[1]], max_new_tokens=NEW) == \
+        [ref(family).tokens(PROMPTS[1], NEW)]
+    assert dec.is_finished(other)
+    assert dec.step().finished == {other}
+    assert dec.pop_output(other) == ref(family).tokens(PROMPTS[4], 2)
+    assert_idle(dec)
+
+
 # ------------------------------------------------- bug 2: the caller's array
 
 

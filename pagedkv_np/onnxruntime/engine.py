@@ -351,7 +351,10 @@ class OrtDecoder(TextGenerationMixin):
         """Generate for every prompt; returns the new tokens of each, in order.
 
         With sampling, request ``i`` is seeded from ``SeedSequence(seed).spawn``,
-        so the result does not depend on batching or preemption.
+        so the result does not depend on batching or preemption. Requests
+        queued with :meth:`add_request` advance meanwhile; their tokens are in
+        :meth:`get_output` and their finishes in the next :meth:`step`'s
+        ``finished``.
 
         Raises
         ------
@@ -376,12 +379,18 @@ class OrtDecoder(TextGenerationMixin):
                                   s, salt) for p, s in zip(prompts, seeds)]
         with self._step_lock:
             self._enqueue(reqs)
+            mine = {r.rid for r in reqs}
             try:
                 while not all(r.finished for r in reqs):
                     failed = next((r for r in reqs if r.error is not None), None)
                     if failed is not None:
                         raise failed.error   # type: ignore[misc]
-                    self.step()
+                    events = self.step()
+                    # other requests advance too: their finishes are reported
+                    # by the next step() of whoever drives them
+                    self._batcher.finished_log.extend(
+                        self._requests[rid] for rid in events.finished
+                        if rid not in mine and rid in self._requests)
                 failed = next((r for r in reqs if r.error is not None), None)
                 if failed is not None:
                     raise failed.error   # type: ignore[misc]
