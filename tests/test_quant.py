@@ -136,7 +136,7 @@ def test_quantize_refuses_other_dtypes():
 def test_numba_float16_to_float32_every_pattern():
     h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     want = h.view(np.float16).astype(F32)
-    got = np.array([nq._f16_to_f32(v) for v in h.tolist()], F32)
+    got = np.array([nq._f16_to_f32_bits(v) for v in h.tolist()], np.uint32).view(F32)
     nan = np.isnan(want)
     assert np.array_equal(np.isnan(got), nan)
     assert np.array_equal(bits(got[~nan]), bits(want[~nan]))
@@ -155,8 +155,8 @@ def test_numba_float32_to_16_bit_rounding():
     with np.errstate(over="ignore"):
         want16 = bits(values.astype(np.float16))
         wantbf = bits(values.astype(resolve_dtype("bfloat16")))
-    got16 = np.array([nq._f32_to_f16(v) for v in values.tolist()], np.uint16)
-    gotbf = np.array([nq._f32_to_bf16(v) for v in values.tolist()], np.uint16)
+    got16 = np.array([nq._f32_bits_to_f16(b) for b in patterns.tolist()], np.uint16)
+    gotbf = np.array([nq._f32_bits_to_bf16(b) for b in patterns.tolist()], np.uint16)
     assert np.array_equal(got16, want16)
     assert np.array_equal(gotbf, wantbf)
 

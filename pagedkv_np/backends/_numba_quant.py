@@ -3,10 +3,10 @@
 They repeat :mod:`pagedkv_np.quant`'s reference step by step in float32
 (one division, ``rint``, one multiplication each, never fused), so results
 equal the NumPy reference bit for bit. Numba has no float16 or bfloat16, so
-K/V data arrive as unsigned integer views of their bits (``uint32`` for
-float32, ``uint16`` for the 16-bit types) with a ``kind`` that says how to
-read them, and 16-bit outputs are rounded to nearest-even by integer
-arithmetic (:func:`_f32_to_f16`, :func:`_f32_to_bf16`).
+K/V data arrive as ``uint16`` views of their bits with a ``kind`` that says how to
+read them (float32 arrives as it is), and 16-bit outputs are rounded to
+nearest-even by integer arithmetic (:func:`_f32_bits_to_f16`,
+:func:`_f32_bits_to_bf16`).
 
 Every function and constant the kernels use is defined in this file:
 Numba's disk cache keys compiled code by its own source file, so a helper
@@ -32,6 +32,9 @@ SCALE_MIN = np.float32(2.0 ** -126)                 # quant.SCALE_MIN
 SCALE_MAX = np.uint32(0x7C010203).view(np.float32)  # quant.SCALE_MAX (a test checks)
 F32_MAX = np.float32(np.finfo(np.float32).max)
 ZERO = np.float32(0.0)
+# Adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude below
+# 2**22 to an integer, half to even: rint, in two operations that vectorize.
+RNE_MAGIC = np.float32(12582912.0)
 
 # As in _numba_kernels: chunks of at least this many bytes written, at most
 # this many chunks, per parallel call.
@@ -40,42 +43,33 @@ _MIN_CHUNK_BYTES = 256 << 10
 
 
 # ------------------------------------------------------------ conversions
+# On bits (uint32 for float32): a scalar ``.view`` between float and integer
+# stops a loop from vectorizing, so values change type only through two
+# views of one scratch array.
 @jit_kernel
-def _f16_to_f32(h):
-    """float32 of float16 bits ``h`` (exact, subnormals and NaN included)."""
+def _f16_to_f32_bits(h):
+    """float32 bits of float16 bits ``h`` (exact, subnormals and NaN included)."""
     h = np.uint32(h)
     sign = (h & 0x8000) << 16
     e = (h >> 10) & 0x1F
     m = h & 0x3FF
     if e == 0x1F:
-        bits = sign | 0x7F800000 | (m << 13)
-    elif e != 0:
-        bits = sign | ((e + 112) << 23) | (m << 13)
-    elif m == 0:
-        bits = sign
-    else:  # subnormal: normalise the significand
-        e2 = np.uint32(113)
-        while (m & 0x400) == 0:
-            m <<= 1
-            e2 -= 1
-        bits = sign | (e2 << 23) | ((m & 0x3FF) << 13)
-    return np.uint32(bits).view(np.float32)
+        return np.uint32(sign | 0x7F800000 | (m << 13))
+    if e != 0:
+        return np.uint32(sign | ((e + 112) << 23) | (m << 13))
+    if m == 0:
+        return np.uint32(sign)
+    e2 = np.uint32(113)  # a subnormal: normalise the significand
+    while (m & 0x400) == 0:
+        m <<= 1
+        e2 -= 1
+    return np.uint32(sign | (e2 << 23) | ((m & 0x3FF) << 13))
 
 
 @jit_kernel
-def _to_f32(bits, kind):
-    """float32 value of one input element given as bits."""
-    if kind == KIND_F32:
-        return np.uint32(bits).view(np.float32)
-    if kind == KIND_BF16:
-        return np.uint32(np.uint32(bits) << 16).view(np.float32)
-    return _f16_to_f32(bits)
-
-
-@jit_kernel
-def _f32_to_f16(value):
-    """float16 bits of float32 ``value``, rounded to nearest, ties to even."""
-    b = np.uint32(np.float32(value).view(np.uint32))
+def _f32_bits_to_f16(b):
+    """float16 bits of float32 bits ``b``, rounded to nearest, ties to even."""
+    b = np.uint32(b)
     sign = np.uint32((b >> 16) & 0x8000)
     a = b & 0x7FFFFFFF
     if a > 0x7F800000:  # NaN (never made by a dequantization)
@@ -98,47 +92,77 @@ def _f32_to_f16(value):
 
 
 @jit_kernel
-def _f32_to_bf16(value):
-    """bfloat16 bits of a finite float32 ``value``, rounded to nearest, ties to even."""
-    b = np.uint32(np.float32(value).view(np.uint32))
+def _f32_bits_to_bf16(b):
+    """bfloat16 bits of finite float32 bits ``b``, rounded to nearest, ties to even."""
+    b = np.uint32(b)
     return np.uint16((b + 0x7FFF + ((b >> 16) & 1)) >> 16)
 
 
 # -------------------------------------------------------------------- write
+# Rows are 1-D views (a token's head in the input, a slot's head in the
+# store): loops over a view's own elements compile to vector code, where
+# flat indices computed per element did not.
 @jit_kernel(error_model="numpy")
-def _quantize_group(x, i, h, d0, group, kind, vals):
-    """Widen and clean one group of ``x[i, h, d0:d0 + group]`` into ``vals``;
-    returns its scale (see :mod:`pagedkv_np.quant`)."""
+def _quantize_group(vals, cg):
+    """Codes ``cg`` of one group of float32 ``vals``; returns its scale (see
+    :mod:`pagedkv_np.quant`). Branch-free loops (selects): they vectorize."""
+    # the largest finite magnitude: NaN fails the comparison, infinity is
+    # left out, and a subnormal largest one gives a zero scale below
     amax = ZERO
-    for e in range(group):
-        f = _to_f32(x[i, h, d0 + e], kind)
-        mag = abs(f)
-        if mag >= SCALE_MIN and mag <= F32_MAX:
-            vals[e] = f
-            if mag > amax:
-                amax = mag
-        elif mag > F32_MAX:  # an infinity: saturates, not counted
-            vals[e] = f
-        else:  # NaN or subnormal
-            vals[e] = ZERO
+    for e in range(vals.shape[0]):
+        mag = abs(vals[e])
+        mag = mag if mag <= F32_MAX else ZERO
+        amax = mag if mag > amax else amax
     scale = amax / QMAX
     if scale > SCALE_MAX:
         scale = SCALE_MAX
     if scale < SCALE_MIN:
         scale = ZERO
+    if scale == ZERO:
+        cg[:] = 0
+        return scale
+    for e in range(vals.shape[0]):
+        f = vals[e]
+        f = f if abs(f) >= SCALE_MIN else ZERO  # NaN and subnormals count as 0
+        q = (f / scale + RNE_MAGIC) - RNE_MAGIC  # rint: |f / scale| <= 128 or inf
+        q = q if q < QMAX else QMAX  # an infinity saturates
+        q = q if q > -QMAX else -QMAX
+        cg[e] = np.int32(q)
     return scale
+
+
+@jit_kernel(error_model="numpy")
+def _quantize_row_f32(xr, cr, sr, group):
+    """Quantize one head's float32 ``xr`` [head_dim] into ``cr`` and ``sr``."""
+    for g in range(sr.shape[0]):
+        sr[g] = _quantize_group(xr[g * group:(g + 1) * group], cr[g * group:(g + 1) * group])
+
+
+@jit_kernel(error_model="numpy")
+def _quantize_row_16(xr, cr, sr, group, kind, bits, vals):
+    """:func:`_quantize_row_f32` for the bits of a 16-bit type, widened
+    into ``bits``/``vals`` (two views of one scratch array of ``group``)."""
+    for g in range(sr.shape[0]):
+        xg = xr[g * group:(g + 1) * group]
+        if kind == KIND_BF16:
+            for e in range(group):
+                bits[e] = np.uint32(xg[e]) << 16
+        else:
+            for e in range(group):
+                bits[e] = _f16_to_f32_bits(xg[e])
+        sr[g] = _quantize_group(vals, cr[g * group:(g + 1) * group])
 
 
 @jit_kernel(error_model="numpy")
 def _write_q_tokens(codes, scales, x, kind, layer, slot_mapping, hnd, group, lo, hi):
     """Quantize tokens ``lo..hi-1`` of ``x`` [N, H, D] (bits, any strides)
-    into their slots of ``codes``/``scales`` (flat views of the store)."""
+    into their slots of ``codes``/``scales``."""
     _, num_pages, a, b, head_dim = codes.shape
     page_size, num_heads = (b, a) if hnd else (a, b)
-    num_groups = head_dim // group
-    cflat = codes.reshape(-1)
-    sflat = scales.reshape(-1)
-    vals = np.empty(group, np.float32)
+    crows = codes.reshape(-1, head_dim)
+    srows = scales.reshape(-1, scales.shape[4])
+    bits = np.empty(group, np.uint32)
+    vals = bits.view(np.float32)
     layer_page0 = layer * num_pages
     for i in range(lo, hi):
         slot = slot_mapping[i]
@@ -151,21 +175,10 @@ def _write_q_tokens(codes, scales, x, kind, layer, slot_mapping, hnd, group, lo,
                 row = ((layer_page0 + page_id) * num_heads + h) * page_size + offset
             else:
                 row = ((layer_page0 + page_id) * page_size + offset) * num_heads + h
-            for g in range(num_groups):
-                scale = _quantize_group(x, i, h, g * group, group, kind, vals)
-                sflat[row * num_groups + g] = scale
-                c0 = row * head_dim + g * group
-                if scale == ZERO:
-                    for e in range(group):
-                        cflat[c0 + e] = 0
-                    continue
-                for e in range(group):
-                    q = np.rint(vals[e] / scale)
-                    if q > QMAX:
-                        q = QMAX
-                    elif q < -QMAX:
-                        q = -QMAX
-                    cflat[c0 + e] = np.int8(q)
+            if kind == KIND_F32:
+                _quantize_row_f32(x[i, h], crows[row], srows[row], group)
+            else:
+                _quantize_row_16(x[i, h], crows[row], srows[row], group, kind, bits, vals)
 
 
 @jit_kernel(error_model="numpy")
@@ -192,23 +205,34 @@ def write_q_parallel(k_codes, v_codes, k_scales, v_scales, layer, slot_mapping, 
 
 # ------------------------------------------------------------------- gather
 @jit_kernel(error_model="numpy")
-def _dequant_row(cflat, c0, sflat, s0, oflat, o0, head_dim, group, kind):
-    """``head_dim`` values of codes from ``c0`` with scales from ``s0`` into
-    the output from ``o0`` (float32 values, or the bits of a 16-bit type);
-    one loop per output kind."""
-    num_groups = head_dim // group
-    for g in range(num_groups):
-        scale = sflat[s0 + g]
-        base = g * group
-        if kind == KIND_F32:
+def _dequant_row_f32(cr, sr, orow, group):
+    """One head's codes ``cr`` [head_dim] with scales ``sr`` into float32 ``orow``.
+    (A function of its own: with the 16-bit loops beside it, this loop ran
+    at half the speed.)"""
+    for g in range(sr.shape[0]):
+        scale = sr[g]
+        cg = cr[g * group:(g + 1) * group]
+        og = orow[g * group:(g + 1) * group]
+        for e in range(group):
+            og[e] = np.float32(cg[e]) * scale
+
+
+@jit_kernel(error_model="numpy")
+def _dequant_row_16(cr, sr, orow, group, kind, bits, vals):
+    """:func:`_dequant_row_f32` into the bits of a 16-bit type, through
+    ``bits``/``vals`` as in :func:`_quantize_row_16`."""
+    for g in range(sr.shape[0]):
+        scale = sr[g]
+        cg = cr[g * group:(g + 1) * group]
+        og = orow[g * group:(g + 1) * group]
+        for e in range(group):
+            vals[e] = np.float32(cg[e]) * scale
+        if kind == KIND_F16:
             for e in range(group):
-                oflat[o0 + base + e] = np.float32(cflat[c0 + base + e]) * scale
-        elif kind == KIND_F16:
-            for e in range(group):
-                oflat[o0 + base + e] = _f32_to_f16(np.float32(cflat[c0 + base + e]) * scale)
+                og[e] = _f32_bits_to_f16(bits[e])
         else:
             for e in range(group):
-                oflat[o0 + base + e] = _f32_to_bf16(np.float32(cflat[c0 + base + e]) * scale)
+                og[e] = _f32_bits_to_bf16(bits[e])
 
 
 @jit_kernel(error_model="numpy")
@@ -220,12 +244,13 @@ def _gather_q_blocks(codes, scales, out, kind, layer, page_table, seq_lens, hnd,
     ``seq_lens[b]`` and zero from there."""
     _, num_pages, a, b_, head_dim = codes.shape
     page_size, num_heads = (b_, a) if hnd else (a, b_)
-    num_groups = head_dim // group
     num_positions = out.shape[2] if bhtd else out.shape[1]
     num_blocks = (num_positions + page_size - 1) // page_size
-    cflat = codes.reshape(-1)
-    sflat = scales.reshape(-1)
-    oflat = out.reshape(-1)
+    crows = codes.reshape(-1, head_dim)
+    srows = scales.reshape(-1, scales.shape[4])
+    orows = out.reshape(-1, head_dim)
+    bits = np.empty(group, np.uint32)
+    vals = bits.view(np.float32)
     layer_page0 = layer * num_pages
     for item in range(lo, hi):
         seq = item // num_blocks
@@ -240,19 +265,20 @@ def _gather_q_blocks(codes, scales, out, kind, layer, page_table, seq_lens, hnd,
                 h, dt = (outer, inner) if bhtd else (inner, outer)
                 t = t0 + dt
                 if bhtd:
-                    o0 = ((seq * num_heads + h) * num_positions + t) * head_dim
+                    orow = orows[(seq * num_heads + h) * num_positions + t]
                 else:
-                    o0 = ((seq * num_positions + t) * num_heads + h) * head_dim
+                    orow = orows[(seq * num_positions + t) * num_heads + h]
                 if t >= n:
-                    for e in range(head_dim):
-                        oflat[o0 + e] = 0
+                    orow[:] = 0
                     continue
                 if hnd:
                     row = ((layer_page0 + page_id) * num_heads + h) * page_size + dt
                 else:
                     row = ((layer_page0 + page_id) * page_size + dt) * num_heads + h
-                _dequant_row(cflat, row * head_dim, sflat, row * num_groups, oflat, o0,
-                             head_dim, group, kind)
+                if kind == KIND_F32:
+                    _dequant_row_f32(crows[row], srows[row], orow, group)
+                else:
+                    _dequant_row_16(crows[row], srows[row], orow, group, kind, bits, vals)
 
 
 @jit_kernel

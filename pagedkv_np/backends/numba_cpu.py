@@ -84,15 +84,14 @@ def _typed(x: np.ndarray) -> np.ndarray:
     return x if x.itemsize != 2 else x.view(_UINT16)
 
 
-_UINT32 = np.dtype(np.uint32)
 _FLOAT16 = np.dtype(np.float16)
 
 
 def _bits_and_kind(x: np.ndarray) -> tuple[np.ndarray, int]:
-    """``x`` as the quantized kernels take it: a view of its bits, and what
-    they hold (float32, float16 or bfloat16)."""
+    """``x`` as the quantized kernels take it (float32 as it is, 16-bit
+    types as ``uint16`` views) and what it holds."""
     if x.itemsize == 4:
-        return x.view(_UINT32), _q.KIND_F32
+        return x, _q.KIND_F32
     return x.view(_UINT16), _q.KIND_F16 if x.dtype == _FLOAT16 else _q.KIND_BF16
 
 
@@ -170,10 +169,7 @@ class NumbaBackend(Backend):
 
     def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
                           seq_lens, k_out, v_out, layout, out_layout):
-        # float32 outputs are written as values, 16-bit ones as bits
         (k_bits, kind), (v_bits, _) = _bits_and_kind(k_out), _bits_and_kind(v_out)
-        if kind == _q.KIND_F32:
-            k_bits, v_bits = k_out, v_out
         kernel = _q.gather_q_parallel if _parallel(2 * k_out.nbytes) else _q.gather_q_serial
         kernel(k_cache, v_cache, k_scale, v_scale, layer, page_table, seq_lens, k_bits, v_bits,
                kind, layout is StoreLayout.HND, out_layout is OutputLayout.BHTD,
