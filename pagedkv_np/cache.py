@@ -29,7 +29,7 @@ import itertools
 import numbers
 import sys
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable, Sequence as SequenceT
 
 import numpy as np
@@ -43,6 +43,7 @@ from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
 from .store import KVStore
+from .tiers.manager import attach_tiers, open_tiers
 from .tokens import as_tokens
 
 __all__ = ["PagedKVCache", "Sequence", "CacheStats"]
@@ -148,6 +149,7 @@ class CacheStats:
     num_sequences: int
     prefix_hit_tokens: int
     prefix_query_tokens: int
+    tiers: dict = field(default_factory=dict)   # per tier: hits, misses, bytes, drops, ...
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -185,6 +187,8 @@ class PagedKVCache:
         Key of the prefix hashes; random when omitted.
     enable_prefix_caching : bool
         When False, nothing is looked up or indexed.
+    disk_cache, disk_cache_bytes, redis_url, model_id, tier_options : optional
+        Storage tiers below RAM, keyed by ``model_id`` (see :mod:`pagedkv_np.tiers`).
     partial_page_reuse : bool
         Also reuse the leading tokens of a page that a prompt shares only in
         part (copying that page), so that a shared prefix shorter than a page,
@@ -206,6 +210,8 @@ class PagedKVCache:
         hash_secret: bytes | None = None,
         enable_prefix_caching: bool = True,
         partial_page_reuse: bool = True,
+        disk_cache: Any = None, disk_cache_bytes: int | None = None, redis_url: str | None = None,
+        model_id: str | None = None, tier_options: dict | None = None,
         _hash_fn=None,
     ) -> None:
         self.backend = get_backend(backend)
@@ -214,11 +220,15 @@ class PagedKVCache:
                              dtype=dtype, layout=layout, backend=self.backend)
         self._kernel_store = self.backend._kernel_views(self.store.k, self.store.v)
         self.pool = PagePool(self.store.num_pages)
+        tiers, hash_secret = open_tiers(disk_cache, disk_cache_bytes, redis_url, model_id,
+                                        hash_secret, tier_options)
         self.index = PrefixIndex(self.store.page_size, hash_secret, _hash_fn)
         self.pool.on_evict = self.index.remove
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.partial_page_reuse = bool(partial_page_reuse)
         self._lock = threading.RLock()
+        self.tiers = attach_tiers(tiers, self.pool, self.store, self.index, self._lock,
+                                  model_id, tier_options)  # type: ignore[arg-type]
         self._owner = next(_owner_ids)
         self._epoch = 0
         self._seq_ids = itertools.count()
@@ -255,6 +265,7 @@ class PagedKVCache:
                 num_sequences=len(self._live),
                 prefix_hit_tokens=self.index.hit_tokens,
                 prefix_query_tokens=self.index.query_tokens,
+                tiers=self.tiers.stats if self.tiers is not None else {},
             )
 
     # ------------------------------------------------------------- sequences
@@ -293,6 +304,13 @@ class PagedKVCache:
                 seq._digests = list(digests)
                 seq._identities = [self.index.identity(p) for p in pages]
                 seq._num_indexed = len(pages)
+                if self.tiers is not None and len(pages) < max_pages:
+                    loaded = self.tiers.load(self.pool, salt, seq._digests, seq._identities,
+                                             tokens.tobytes(), max_pages)
+                    for part, new in zip((seq._page_ids, seq._digests, seq._identities), loaded):
+                        part += new   # type: ignore[operator]
+                    seq._num_indexed = len(seq._page_ids)
+                    num_cached = len(seq._page_ids) * self.page_size
                 if self.partial_page_reuse:
                     num_cached += self._reuse_partial(seq, tokens, num_cached)
                 seq._tokens += tokens[:num_cached].tobytes()
@@ -697,6 +715,8 @@ class PagedKVCache:
             digest, identity, indexed = index.insert(page_id, parent_digest, parent, chunk)
             if indexed:
                 self.pool.mark_cached(page_id)
+                if self.tiers is not None:
+                    self.tiers.offer(page_id, digest, parent_digest, chunk, seq.salt)
             seq._digests.append(digest)
             seq._identities.append(identity)
             seq._num_indexed = i + 1

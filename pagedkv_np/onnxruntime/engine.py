@@ -56,6 +56,8 @@ from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError, RequestFailed
 from ..layout import check_positive_int
 from ..prefix import encode_salt
+from ..tiers.fingerprint import model_fingerprint, weights_digest
+from ..tiers.manager import flat_stats
 from ..tokens import as_tokens
 from .batching import Batcher
 from .model_io import discover, graph_facts
@@ -132,6 +134,10 @@ class OrtDecoder(TextGenerationMixin):
     session_options : onnxruntime.SessionOptions, optional
     providers : list, optional
         Default ``["CPUExecutionProvider"]``.
+    disk_cache, disk_cache_bytes, redis_url, hash_secret, tier_options : optional
+        Storage tiers below RAM (see :class:`~pagedkv_np.PagedKVCache` and
+        :mod:`pagedkv_np.tiers`); their keys carry a fingerprint of the model
+        file(s), hashed once and remembered in the disk tier's directory.
 
     Attributes
     ----------
@@ -152,7 +158,9 @@ class OrtDecoder(TextGenerationMixin):
                  num_kv_heads: int | None = None,
                  head_dim: int | None = None, max_positions: int | None = None,
                  session_options: Any = None,
-                 providers: list | None = None) -> None:
+                 providers: list | None = None, disk_cache: Any = None,
+                 disk_cache_bytes: int | None = None, redis_url: str | None = None,
+                 hash_secret: bytes | None = None, tier_options: dict | None = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
         if max_positions is not None:
@@ -160,6 +168,8 @@ class OrtDecoder(TextGenerationMixin):
         self.eos_token_ids = self._parse_eos(eos_token_id)
         source, proto = load_model(model)
         facts = graph_facts(proto)
+        weights = (weights_digest(source, proto, disk_cache)
+                   if disk_cache is not None or redis_url is not None else None)
         del proto
         self.session = make_session(source, session_options, providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
@@ -170,7 +180,11 @@ class OrtDecoder(TextGenerationMixin):
         self.cache = PagedKVCache(io.num_layers, num_pages, page_size, io.num_kv_heads,
                                   io.head_dim, dtype=io.dtype, layout=layout, backend=backend,
                                   enable_prefix_caching=enable_prefix_caching,
-                                  partial_page_reuse=partial_page_reuse)
+                                  partial_page_reuse=partial_page_reuse,
+                                  disk_cache=disk_cache, disk_cache_bytes=disk_cache_bytes,
+                                  redis_url=redis_url, hash_secret=hash_secret,
+                                  tier_options=tier_options,
+                                  model_id=weights and model_fingerprint(weights, io))
         self._lock = threading.Lock()          # guards _incoming, _requests
         self._step_lock = threading.RLock()    # serialises steps
         self._ids = itertools.count()
@@ -424,4 +438,5 @@ class OrtDecoder(TextGenerationMixin):
                    pages_free=cache.pages_free, pages_evictable=cache.pages_evictable,
                    num_running=len(self._batcher.running),
                    num_waiting=len(self._batcher.waiting) + len(self._incoming))
+        out.update(flat_stats(self.cache.tiers))
         return out
