@@ -158,6 +158,8 @@ class CacheStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        if not d["tiers"]:   # listed only for a cache with tiers
+            del d["tiers"]
         d["prefix_hit_rate"] = self.prefix_hit_rate
         return d
 
