@@ -159,7 +159,7 @@ def main() -> int:
         print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, batch 1, {args.tokens} greedy tokens, "
               f"median of {args.rounds} interleaved rounds")
         print(f"{'mode':<9}{'disk MiB':>9}{'import s':>9}{'import':>8}{'serve':>8}"
-              f"{'tok/s':>8}{'min':>7}{'max':>7}  same tokens as float32")
+              f"{'tok/s':>8}{'min':>7}{'max':>7}  first tokens equal to float32's")
         print(f"{'':<9}{'':>9}{'':>9}{'RSS MiB':>8}{'RSS MiB':>8}")
         for name, row in rows.items():
             imp, irss = f"{row['import_s']:.1f}", f"{row['import_rss'] / mib:.0f}"

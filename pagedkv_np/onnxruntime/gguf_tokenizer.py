@@ -84,6 +84,9 @@ def build_tokenizer(*, model: str, pre: str, tokens: Sequence[str],
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedModelError(f"the GGUF pre-tokenizer {pre!r} is not supported; "
                                     f"supported: {', '.join(PRE_TOKENIZERS)}")
+    if not all(isinstance(t, str) for t in tokens) or not all(isinstance(m, str)
+                                                              for m in merges):
+        raise UnsupportedModelError("the GGUF tokenizer's tokens and merges must be strings")
     vocab = {token: i for i, token in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise UnsupportedModelError("the GGUF tokenizer lists a token twice")
