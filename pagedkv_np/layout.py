@@ -41,6 +41,7 @@ __all__ = [
     "check_positive_int",
     "check_nonneg_int",
     "describe",
+    "shown",
 ]
 
 
@@ -56,7 +57,7 @@ class _Layout(str, enum.Enum):
         if isinstance(value, str) and value.upper() in cls.__members__:
             return cls[value.upper()]
         choices = ", ".join(repr(m) for m in cls.__members__)
-        raise LayoutError(f"Invalid {name}: expected one of {choices}, got {value!r}")
+        raise LayoutError(f"Invalid {name}: expected one of {choices}, got {shown(value)}")
 
 
 class StoreLayout(_Layout):
@@ -186,12 +187,21 @@ def check_array(
         raise ShapeError(f"Invalid {name}: the array is read-only")
 
 
+def shown(value: Any) -> str:
+    """``repr(value)`` for an error message, shortened: an int too long for
+    Python's int -> str limit is described by its size."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_positive_int(value: Any, name: str) -> int:
     """Return ``value`` as an int if it is an integer >= 1, else raise."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
     if value < 1:
-        raise ConfigError(f"Invalid {name}: expected an integer >= 1, got {value}")
+        raise ConfigError(f"Invalid {name}: expected an integer >= 1, got {shown(value)}")
     return int(value)
 
 
@@ -200,5 +210,5 @@ def check_nonneg_int(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
     if value < 0:
-        raise ConfigError(f"Invalid {name}: expected an integer >= 0, got {value}")
+        raise ConfigError(f"Invalid {name}: expected an integer >= 0, got {shown(value)}")
     return int(value)

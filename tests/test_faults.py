@@ -536,6 +536,28 @@ def _ort_calls():
          "head_dim"),
         ("eos-str", lambda d, c, p: d.add_request([1], 2, eos_token_id="2"), DTypeError,
          "eos_token_id"),
+        # numbers too long for Python's int -> str limit still give their message
+        ("max-new-huge", lambda d, c, p: d.add_request([1], 10**5000), ConfigError,
+         "max_new_tokens"),
+        ("max-new-huge-negative", lambda d, c, p: d.add_request([1], -(10**5000)),
+         ConfigError, "max_new_tokens"),
+        ("temperature-huge", lambda d, c, p: d.add_request([1], 2, temperature=10**5000),
+         ConfigError, "temperature"),
+        ("top-p-huge", lambda d, c, p: d.add_request([1], 2, top_p=10**5000), ConfigError,
+         "top_p"),
+        ("status-huge", lambda d, c, p: d.status(10**5000), RequestNotFound, "request_id"),
+        ("layout-huge", lambda d, c, p: OrtDecoder(m, layout=10**5000), DTypeError, "layout"),
+        ("kv-heads-huge", lambda d, c, p: OrtDecoder(m, num_kv_heads=10**5000),
+         UnsupportedModelError, "past_key_values"),
+        ("generate-0d-array", lambda d, c, p: d.generate(np.array(1), 2), DTypeError,
+         "prompts"),
+        ("family-array", lambda d, c, p: OrtDecoder(m, family=np.array([1, 2])), DTypeError,
+         "family"),
+        ("backend-array", lambda d, c, p: OrtDecoder(m, backend=np.array([1, 2])),
+         DTypeError, "backend"),
+        ("prefix-caching-array",
+         lambda d, c, p: OrtDecoder(m, enable_prefix_caching=np.array([1, 2])), DTypeError,
+         "enable_prefix_caching"),
     ]
 
 

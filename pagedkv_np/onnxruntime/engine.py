@@ -54,7 +54,7 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError, RequestFailed
-from ..layout import check_positive_int
+from ..layout import check_positive_int, shown
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
 from ..tiers.manager import flat_stats
@@ -165,6 +165,14 @@ class OrtDecoder(TextGenerationMixin):
         self.write_interval = check_positive_int(write_interval, "write_interval")
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
+        for flag, name in ((enable_prefix_caching, "enable_prefix_caching"),
+                           (partial_page_reuse, "partial_page_reuse")):
+            if not isinstance(flag, (bool, np.bool_, int)):
+                raise DTypeError(f"Invalid {name}: expected a bool, got {type(flag).__name__}")
+        for value, name in ((backend, "backend"), (layout, "layout"), (family, "family")):
+            if not isinstance(value, str) and not (name == "backend" and value is None) \
+                    and not hasattr(value, "name"):   # a Backend or a StoreLayout
+                raise DTypeError(f"Invalid {name}: expected a str, got {type(value).__name__}")
         self.eos_token_ids = self._parse_eos(eos_token_id)
         source, proto = load_model(model)
         facts = graph_facts(proto)
@@ -275,12 +283,12 @@ class OrtDecoder(TextGenerationMixin):
         if -(-num_fed // page_size) > num_pages:
             raise ConfigError(
                 f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
-                f"{max_new_tokens} need {-(-num_fed // page_size)} pages of {page_size} "
-                f"tokens; the pool has {num_pages}")
+                f"{shown(max_new_tokens)} need {shown(-(-num_fed // page_size))} pages of "
+                f"{page_size} tokens; the pool has {num_pages}")
         if self.max_positions is not None and num_fed > self.max_positions:
             raise ConfigError(
                 f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
-                f"{max_new_tokens} feed {num_fed} tokens and exceed the model's "
+                f"{shown(max_new_tokens)} feed {shown(num_fed)} tokens and exceed the model's "
                 f"{self.max_positions} positions (max_positions)")
         params = SamplingParams(temperature, top_k, top_p)
         eos = self.eos_token_ids if eos_token_id is None else self._parse_eos(eos_token_id)
@@ -311,7 +319,7 @@ class OrtDecoder(TextGenerationMixin):
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
-                raise RequestNotFound(f"Invalid request_id: no request {request_id!r}")
+                raise RequestNotFound(f"Invalid request_id: no request {shown(request_id)}")
             if not req.finished:
                 raise ConfigError(f"Invalid request_id: request {request_id} is not finished")
             del self._requests[request_id]
@@ -338,7 +346,7 @@ class OrtDecoder(TextGenerationMixin):
     def _get(self, request_id: Any) -> Request:
         req = self._requests.get(_check_request_id(request_id))
         if req is None:
-            raise RequestNotFound(f"Invalid request_id: no request {request_id!r}")
+            raise RequestNotFound(f"Invalid request_id: no request {shown(request_id)}")
         return req
 
     # ----------------------------------------------------------------- steps
@@ -379,7 +387,11 @@ class OrtDecoder(TextGenerationMixin):
         if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
             raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
                              f"got {type(prompts).__name__}")
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:   # a 0-d array has __iter__ but cannot be iterated
+            raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
+                             f"got {type(prompts).__name__}") from None
         seeds: list[np.random.SeedSequence] | list[None]
         if temperature:
             try:

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import PagedKVError
-from ..layout import check_positive_int
+from ..layout import check_positive_int, shown
 
 try:
     import onnxruntime as ort
@@ -205,9 +205,9 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
     UnsupportedModelError
         Naming the missing or unexpected input/output.
     """
-    if family not in ("auto",) + FAMILIES:
+    if not isinstance(family, str) or family not in ("auto",) + FAMILIES:
         raise UnsupportedModelError(
-            f"Invalid family: expected 'auto', 'optimum' or 'gqa', got {family!r}")
+            f"Invalid family: expected 'auto', 'optimum' or 'gqa', got {shown(family)}")
     if family == "auto":
         family = "gqa" if facts is not None and facts.has_gqa else "optimum"
     ins = {arg.name: arg for arg in inputs}
@@ -268,7 +268,7 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
                 isinstance(s[a], int) and s[a] != want for a, want in ((1, heads), (3, dim))):
             raise UnsupportedModelError(
                 f"{arg.name} has type {arg.type} and shape {s}, unlike past_key_values.0.key "
-                f"({first.type}, [*, {heads}, *, {dim}])")
+                f"({first.type}, [*, {shown(heads)}, *, {shown(dim)}])")
 
     def int_type(name: str) -> np.dtype:
         t = _INT_DTYPES.get(ins[name].type)

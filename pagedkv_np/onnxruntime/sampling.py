@@ -7,12 +7,14 @@ and recomputed: one draw per generated token, always in the same order.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import ConfigError, DTypeError
+from ..layout import shown
 
 __all__ = ["SamplingParams", "sample"]
 
@@ -38,13 +40,17 @@ class SamplingParams:
                 raise DTypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
             raise DTypeError(f"Invalid top_k: expected an integer, got {type(self.top_k).__name__}")
-        if not (self.temperature >= 0.0 and np.isfinite(self.temperature)):
+        try:
+            finite = math.isfinite(self.temperature)
+        except OverflowError:   # an int past float's range
+            finite = False
+        if not (self.temperature >= 0.0 and finite):
             raise ConfigError(f"Invalid temperature: expected a finite value >= 0, "
-                              f"got {self.temperature}")
+                              f"got {shown(self.temperature)}")
         if self.top_k < 0:
-            raise ConfigError(f"Invalid top_k: expected >= 0, got {self.top_k}")
+            raise ConfigError(f"Invalid top_k: expected >= 0, got {shown(self.top_k)}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"Invalid top_p: expected 0 < top_p <= 1, got {self.top_p}")
+            raise ConfigError(f"Invalid top_p: expected 0 < top_p <= 1, got {shown(self.top_p)}")
 
     @property
     def greedy(self) -> bool:
