@@ -7,20 +7,30 @@ with int8 activations):
 - size of the folder on disk;
 - import time and peak RSS of a fresh import, in a subprocess of its own
   (peak RSS polled with psutil every 5 ms);
-- RSS of a subprocess that loads the folder into an OrtDecoder and decodes;
+- peak RSS of a subprocess that loads the folder into an OrtDecoder and
+  decodes;
 - decode tokens/s at batch 1 through OrtDecoder: greedy, 64 new tokens after
   the ChatML prompt "What is the capital of France?", prefill excluded; all
   modes are loaded in one process and their runs take turns, round after
   round, so that they share the machine's load; the median over rounds;
-- whether each mode's 64 greedy tokens equal float32's.
+- how many of each mode's greedy tokens equal float32's before the first
+  that differs (float32 is the baseline of every column).
 
 Run: ``.venv/bin/python scripts/bench_gguf_modes.py [--rounds 5] [--tokens 64]``.
 
-Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, other jobs
-running beside it; default threads)::
+Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, default
+threads, other jobs running beside it: the min/max columns show how much
+the load moved the rounds)::
 
-    (see the table printed by the script; the figures quoted in
-    pagedkv_np/onnxruntime/gguf_import.py come from it)
+    mode      disk MiB import s  import   serve   tok/s    min    max  first tokens
+                                RSS MiB RSS MiB                        equal to float32's
+    float32        519      3.9    2164    1064    23.2   13.0   73.0  64/64
+    float16        262      3.4    1131    1091    28.6   14.4   76.3  64/64
+    q4             191      3.3     832     623    41.4   21.3  126.1  64/64
+    q4 acc4        222      3.3     957     604    61.5   29.9  173.5  30/64
+
+"serve RSS" is the peak RSS of a process that loads the folder into an
+OrtDecoder and decodes 64 tokens.
 """
 
 from __future__ import annotations
