@@ -10,6 +10,8 @@ import dataclasses
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -358,7 +360,7 @@ def test_second_import_is_a_cache_hit(tmp_path):
     assert first.name.startswith(file_digest(spec.path)[:32])
     other = import_gguf(spec.path, weights="float32", cache_dir=cache)
     assert other != first and sorted(p.name for p in cache.iterdir()) == sorted(
-        [first.name, other.name])
+        [first.name, other.name, "digests"])
     # the same bytes under another name hit the same folder
     copy = tmp_path / "copy.gguf"
     copy.write_bytes((tmp_path / "m.gguf").read_bytes())
@@ -366,6 +368,29 @@ def test_second_import_is_a_cache_hit(tmp_path):
     # different bytes do not
     changed = write_gguf(tmp_path / "m2.gguf", seed=9)
     assert import_gguf(changed.path, cache_dir=cache) not in (first, other)
+
+
+def _digest_in_new_process(path, memo_dir):
+    code = ("import sys; from pagedkv_np.onnxruntime.gguf_import import file_digest; "
+            "print(file_digest(sys.argv[1], sys.argv[2]))")
+    out = subprocess.run([sys.executable, "-c", code, str(path), str(memo_dir)], check=True,
+                         capture_output=True, text=True)
+    return out.stdout.strip()
+
+
+def test_digest_memo_spares_a_new_process_the_hash(tmp_path):
+    spec = write_gguf(tmp_path / "m.gguf")
+    cache = tmp_path / "cache"
+    import_gguf(spec.path, cache_dir=cache)
+    (memo,) = (cache / "digests").iterdir()
+    saved = json.loads(memo.read_text())
+    assert saved["blake2b"] == file_digest(spec.path)
+    # a memo that says otherwise is believed while path, size and mtime match ...
+    memo.write_text(json.dumps({**saved, "blake2b": "f" * 64}))
+    assert _digest_in_new_process(spec.path, cache) == "f" * 64
+    # ... and ignored once the file changes
+    os.utime(spec.path, ns=(saved["mtime_ns"] + 10**9, saved["mtime_ns"] + 10**9))
+    assert _digest_in_new_process(spec.path, cache) == saved["blake2b"]
 
 
 def _cut(path, keep):

@@ -46,9 +46,10 @@ tokens, so it is an option, not the default.
 Results are cached under ``$PAGEDKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pagedkv_np``, else ``~/.cache/pagedkv_np``, in a folder
 named after the file's content digest (blake2b), the mode, the family and
-:data:`FORMAT_VERSION`; a second call returns that folder. Folders are
-written beside their final place and renamed into it, so a failed import
-leaves nothing behind.
+:data:`FORMAT_VERSION`; a second call returns that folder. The digest is
+remembered per (path, size, mtime) in ``digests/`` there, so a file is
+hashed once. Folders are written beside their final place and renamed into
+it, so a failed import leaves nothing behind.
 
 Command line::
 
@@ -99,14 +100,29 @@ def cache_dir_default() -> Path:
     return Path(base) / "pagedkv_np"
 
 
-def file_digest(path: str | os.PathLike) -> str:
-    """blake2b hex digest of the file's bytes, read in 1 MiB chunks; remembered
-    per (path, size, mtime) in this process, so a file is hashed once."""
+def file_digest(path: str | os.PathLike, memo_dir: str | os.PathLike | None = None) -> str:
+    """blake2b hex digest of the file's bytes, read in 1 MiB chunks.
+
+    Remembered per (path, size, mtime) in this process and, when ``memo_dir``
+    is given, in a small JSON file there that :func:`import_gguf` writes after
+    a successful import, so that a new process does not hash the file again.
+    """
     st = os.stat(path)
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
     with _digest_lock:
         if key in _digests:
             return _digests[key]
+    memo = _memo_path(memo_dir, key[0]) if memo_dir is not None else None
+    if memo is not None:
+        try:
+            saved = json.loads(memo.read_text(encoding="utf-8"))
+            if [saved["path"], saved["size"], saved["mtime_ns"]] == list(key):
+                digest = str(saved["blake2b"])
+                with _digest_lock:
+                    _digests[key] = digest
+                return digest
+        except (OSError, ValueError, KeyError, TypeError):
+            pass        # no memo, or an unreadable one: hash the file
     h = hashlib.blake2b(digest_size=32)
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -114,6 +130,27 @@ def file_digest(path: str | os.PathLike) -> str:
     with _digest_lock:
         _digests[key] = h.hexdigest()
     return _digests[key]
+
+
+def _memo_path(memo_dir: str | os.PathLike, abspath: str) -> Path:
+    name = hashlib.blake2b(abspath.encode("utf-8", "surrogateescape"), digest_size=16)
+    return Path(memo_dir) / "digests" / f"{name.hexdigest()}.json"
+
+
+def _remember_digest(memo_dir: Path, path: str, digest: str) -> None:
+    """Write the digest memo (atomically; a failure only costs a rehash later)."""
+    st = os.stat(path)
+    abspath = os.path.abspath(path)
+    memo = _memo_path(memo_dir, abspath)
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".partial")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"path": abspath, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                       "blake2b": digest}, f)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
 
 
 def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: bool
@@ -309,11 +346,12 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
-    digest = file_digest(source)
+    digest = file_digest(source, root)
     target = root / f"{digest[:32]}-{opts.tag}-v{FORMAT_VERSION}"
-    if (target / "model.onnx").is_file() and (target / "config.json").is_file():
-        return target
-    return _write_atomically(source, target, opts, dict(opts.provenance(source), blake2b=digest))
+    if not ((target / "model.onnx").is_file() and (target / "config.json").is_file()):
+        _write_atomically(source, target, opts, dict(opts.provenance(source), blake2b=digest))
+    _remember_digest(root, source, digest)
+    return target
 
 
 def main(argv: list[str] | None = None) -> int:
