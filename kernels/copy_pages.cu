@@ -45,6 +45,7 @@ __device__ __forceinline__ void copy_pages(
                                   num_layers, layer_stride, page_words);                    \
     }
 
+PAGEDKV_COPY_PAGES_ENTRY(b1, uint8_t)  // int8 stores whose pages are an odd number of bytes
 PAGEDKV_COPY_PAGES_ENTRY(b2, uint16_t)
 PAGEDKV_COPY_PAGES_ENTRY(b4, uint32_t)
 PAGEDKV_COPY_PAGES_ENTRY(b8, uint2)

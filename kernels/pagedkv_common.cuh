@@ -22,6 +22,8 @@
 #if defined(__CUDACC_RTC__)
 // NVRTC compiles without the C library headers; these widths hold on every
 // CUDA target.
+typedef signed char int8_t;
+typedef unsigned char uint8_t;
 typedef unsigned short uint16_t;
 typedef unsigned int uint32_t;
 typedef int int32_t;
@@ -30,7 +32,8 @@ typedef long long int64_t;
 #include <cstdint>
 #endif
 
-static_assert(sizeof(uint16_t) == 2 && sizeof(uint32_t) == 4, "word widths");
+static_assert(sizeof(int8_t) == 1 && sizeof(uint16_t) == 2 && sizeof(uint32_t) == 4,
+              "word widths");
 static_assert(sizeof(int32_t) == 4 && sizeof(int64_t) == 8, "index widths");
 static_assert(sizeof(uint2) == 8 && sizeof(uint4) == 16, "vector word widths");
 

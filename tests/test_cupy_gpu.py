@@ -34,9 +34,11 @@ from pagedkv_np import (
     BackendUnavailable, DTypeError, ShapeError, available_backends, get_backend)
 from pagedkv_np.backends import _cuda_sources
 from pagedkv_np.backends.cupy_gpu import (
-    CupyBackend, block_shape, plan_copy_pages, plan_gather, plan_write, row_strides, word_bytes)
+    CupyBackend, block_shape, plan_copy_pages, plan_gather, plan_gather_quantized, plan_write,
+    plan_write_quantized, row_strides, word_bytes)
 from pagedkv_np.backends.numpy_ref import NumpyBackend
 from pagedkv_np.layout import OutputLayout, StoreLayout, bits_view_dtype, resolve_dtype
+from pagedkv_np.quant import group_size
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "kernels"
@@ -191,7 +193,11 @@ def test_module_source_names_the_file_for_compiler_messages():
 _EMULATION = r"""
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <math.h>
 #include <utility>
+static inline float __uint_as_float(uint32_t b) { float f; std::memcpy(&f, &b, 4); return f; }
+static inline uint32_t __float_as_uint(float f) { uint32_t b; std::memcpy(&b, &f, 4); return b; }
 struct emu_dim3 { unsigned x, y, z; };
 static emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
 struct uint2 { unsigned x, y; };
@@ -203,6 +209,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 #include "paged_write.cu"
 #include "paged_gather.cu"
 #include "copy_pages.cu"
+#include "paged_quant.cu"
 
 template <class... A, std::size_t... I>
 static void emu_run(void (*kernel)(A...), const unsigned* d, void** argv,
@@ -226,6 +233,9 @@ static void emu(void (*kernel)(A...), const unsigned* d, void** argv) {
 EMU_ALL(paged_write)
 EMU_ALL(paged_gather)
 EMU_ALL(copy_pages)
+EMU(copy_pages_b1)
+EMU(paged_write_q_f32) EMU(paged_write_q_f16) EMU(paged_write_q_bf16)
+EMU(paged_gather_q_f32) EMU(paged_gather_q_f16) EMU(paged_gather_q_bf16)
 """
 
 
@@ -466,6 +476,97 @@ def test_emulated_backend_refuses_host_and_overlapping_outputs(emulated_backend)
                   out=(both[:shape[0]], both[shape[0] - 1:]))
 
 
+# ------------------------------------------------- int8 stores, on the CPU
+class QCase(Case):
+    """:class:`Case` with an int8 store (random codes, scales over the whole
+    float32 range, zeros among them) and K/V values with every edge of the
+    format: NaN, infinities, subnormals, zero heads, tiny heads."""
+
+    def __init__(self, dtype, layout, page_size, head_dim=64, num_kv_heads=2, seed=0):
+        super().__init__("float32", layout, page_size, head_dim, num_kv_heads, seed)
+        rng = np.random.default_rng(seed + 1)
+        shape = self.k_cache.shape
+        self.k_cache = rng.integers(-127, 128, shape).astype(np.int8)
+        self.v_cache = rng.integers(-127, 128, shape).astype(np.int8)
+        scale_shape = (*shape[:4], head_dim // group_size(head_dim))
+        self.k_scale, self.v_scale = (
+            np.where(rng.random(scale_shape) < 0.05, 0,
+                     2.0 ** rng.uniform(-126, 100, scale_shape)).astype(np.float32)
+            for _ in range(2))
+        n = len(self.slot_mapping)
+        values = []
+        for _ in range(2):
+            x = rng.standard_normal((n, num_kv_heads, head_dim)) * 10.0 ** rng.uniform(
+                -3, 3, (n, num_kv_heads, 1))
+            edges = [np.nan, np.inf, -np.inf, 1e-40, -1e-39, 0.0][:head_dim]
+            x[1, 0, :len(edges)] = edges
+            x[2] = 0
+            x[3, 0] = 1e-37
+            with np.errstate(over="ignore", invalid="ignore"):
+                values.append(x.astype(np.float32).astype(resolve_dtype(dtype)))
+        self.k, self.v = values
+        self.dtype = resolve_dtype(dtype)
+
+    def stores(self, wrap=lambda x: x.copy()):
+        return tuple(wrap(x) for x in (self.k_cache, self.v_cache, self.k_scale, self.v_scale))
+
+
+@pytest.mark.parametrize("head_dim", [64, 8, 3])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_emulated_quantized_kernels_match_reference(emulated_backend, dtype, layout, page_size,
+                                                    head_dim):
+    be, dev = emulated_backend, FakeDeviceArray
+    case = QCase(dtype, layout, page_size, head_dim=head_dim)
+    ref = NumpyBackend()
+    want = case.stores()
+    ref.write_quantized(*want, 1, case.slot_mapping, case.k, case.v, layout=layout)
+    k_hmajor = np.ascontiguousarray(case.k.transpose(1, 0, 2)).transpose(1, 0, 2).view(dev)
+    for k, v in ((be.asarray(case.k), be.asarray(case.v)), (k_hmajor, case.v)):
+        got = case.stores(be.asarray)
+        be.write_quantized(*got, 1, case.slot_mapping, k, v, layout=layout)
+        assert_same_bits([be.to_numpy(x) for x in got], want)
+    stores = case.stores(be.asarray)
+    for out_layout in OutputLayout:
+        for out_dtype in DTYPES:
+            want = ref.gather_quantized(*case.stores(), 1, case.page_table, case.seq_lens,
+                                        layout=layout, out_layout=out_layout,
+                                        num_positions=case.num_positions, dtype=out_dtype)
+            out = tuple(random_bits(want[0].shape, out_dtype, np.random.default_rng(i))
+                        .view(dev) for i in (7, 8))
+            got = be.gather_quantized(*stores, 1, case.page_table, case.seq_lens,
+                                      layout=layout, out_layout=out_layout, out=out)
+            assert got[0] is out[0]
+            assert_same_bits([be.to_numpy(x) for x in got], want)
+    # an int8 store's pages (odd sizes take one-byte words) and their scales
+    be.copy_pages(stores[0], stores[1], case.src_pages, case.dst_pages, layout=layout)
+    be.copy_pages(stores[2], stores[3], case.src_pages, case.dst_pages, layout=layout)
+    want = case.stores()
+    ref.copy_pages(want[0], want[1], case.src_pages, case.dst_pages, layout=layout)
+    ref.copy_pages(want[2], want[3], case.src_pages, case.dst_pages, layout=layout)
+    assert_same_bits([be.to_numpy(x) for x in stores], want)
+
+
+def test_quantized_plans():
+    shape = (2, 10, 16, 8, 128)
+    plan = plan_write_quantized(StoreLayout.HND, (2, 10, 8, 16, 128), np.dtype(np.float16), 5,
+                                32, (2048, 256), (2048, 256))
+    assert plan.entry_point == "paged_write_q_f16" and plan.file_name == "paged_quant.cu"
+    assert plan.grid == (1, 1, 1) and plan.block == (256, 1, 1)
+    # page, offset and head strides in rows of an HND store; k/v strides in elements
+    assert [int(x) for x in plan.scalars[5:]] == [128, 1, 16, 1024, 128, 1024, 128]
+    plan = plan_gather_quantized(StoreLayout.NHD, OutputLayout.BHTD, shape,
+                                 resolve_dtype("bfloat16"), 3, 4, 50, 32)
+    assert plan.entry_point == "paged_gather_q_bf16"
+    assert plan.grid == (-(-3 * 50 * 8 * 128 // 256), 1, 1)
+    assert [int(x) for x in plan.scalars[7:]] == [1, 128, 8, 1]
+    assert plan_write_quantized(StoreLayout.NHD, shape, np.float32, 0, 32, (0, 0),
+                                (0, 0)) is None
+    assert plan_gather_quantized(StoreLayout.NHD, OutputLayout.BTHD, shape, np.float32, 0, 4,
+                                 50, 32) is None
+
+
 # ------------------------------------------------------------------ packaging
 def test_wheel_ships_the_sources_and_the_installed_loader_finds_them(tmp_path):
     proc = subprocess.run(
@@ -573,6 +674,39 @@ def test_gpu_matches_reference(dtype, layout, page_size, head_dim):
     want_k, want_v = case.k_cache.copy(), case.v_cache.copy()
     NumpyBackend().copy_pages(want_k, want_v, case.src_pages, case.dst_pages, layout=layout)
     assert_same_bits((be.to_numpy(k_cache), be.to_numpy(v_cache)), (want_k, want_v))
+
+
+@gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 8, 3])
+def test_gpu_quantized_matches_reference(dtype, layout, page_size, head_dim):
+    case = QCase(dtype, layout, page_size, head_dim=head_dim)
+    be, ref = get_backend("cupy"), NumpyBackend()
+    want = case.stores()
+    ref.write_quantized(*want, 1, case.slot_mapping, case.k, case.v, layout=layout)
+    got = case.stores(be.asarray)
+    be.write_quantized(*got, 1, case.slot_mapping, be.asarray(case.k), be.asarray(case.v),
+                       layout=layout)
+    assert_same_bits([be.to_numpy(x) for x in got], want)
+    stores = case.stores(be.asarray)
+    for out_layout in OutputLayout:
+        for out_dtype in DTYPES:
+            want = ref.gather_quantized(*case.stores(), 1, case.page_table, case.seq_lens,
+                                        layout=layout, out_layout=out_layout,
+                                        num_positions=case.num_positions, dtype=out_dtype)
+            out = tuple(be.asarray(random_bits(want[0].shape, out_dtype,
+                                               np.random.default_rng(i))) for i in (7, 8))
+            got = be.gather_quantized(*stores, 1, case.page_table, case.seq_lens,
+                                      layout=layout, out_layout=out_layout, out=out)
+            assert_same_bits([be.to_numpy(x) for x in got], want)
+    be.copy_pages(stores[0], stores[1], case.src_pages, case.dst_pages, layout=layout)
+    be.copy_pages(stores[2], stores[3], case.src_pages, case.dst_pages, layout=layout)
+    want = case.stores()
+    ref.copy_pages(want[0], want[1], case.src_pages, case.dst_pages, layout=layout)
+    ref.copy_pages(want[2], want[3], case.src_pages, case.dst_pages, layout=layout)
+    assert_same_bits([be.to_numpy(x) for x in stores], want)
 
 
 @gpu

@@ -32,8 +32,11 @@ __all__ = [
     "get_kernel",
 ]
 
-# Each file holds one kernel template and its entry points <stem>_b{2,4,8,16}.
-KERNEL_FILES: tuple[str, ...] = ("paged_write.cu", "paged_gather.cu", "copy_pages.cu")
+# Each file holds one kernel template and its entry points <stem>_b{2,4,8,16}
+# (copy_pages also _b1, for int8 stores); paged_quant.cu holds the int8
+# store's write and gather, with entry points per K/V type.
+KERNEL_FILES: tuple[str, ...] = ("paged_write.cu", "paged_gather.cu", "copy_pages.cu",
+                                 "paged_quant.cu")
 COMMON_HEADER = "pagedkv_common.cuh"
 
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, DTypeError, ShapeError
 from ..layout import OutputLayout, StoreLayout, describe
+from ..quant import group_size
 from ._cuda_sources import get_kernel
 from .base import Backend
 
@@ -38,7 +39,8 @@ except Exception as exc:  # ImportError, or a broken CUDA install failing on imp
 else:
     _IMPORT_ERROR = None
 
-__all__ = ["CupyBackend", "LaunchPlan", "plan_write", "plan_gather", "plan_copy_pages"]
+__all__ = ["CupyBackend", "LaunchPlan", "plan_write", "plan_gather", "plan_copy_pages",
+           "plan_write_quantized", "plan_gather_quantized"]
 
 _INSTALL_HINT = "install it with: pip install 'pagedkv-np[cuda]'"
 
@@ -242,6 +244,78 @@ def plan_copy_pages(store_shape: tuple[int, ...], itemsize: int, num_pairs: int,
     return LaunchPlan("copy_pages.cu", f"copy_pages_b{word}", grid, (threads, 1, 1), scalars)
 
 
+def _kind_suffix(dtype: Any) -> str:
+    """Entry point suffix of paged_quant.cu for K/V of ``dtype``."""
+    dtype = np.dtype(dtype)
+    if dtype.itemsize == 4:
+        return "f32"
+    return "f16" if dtype == np.dtype(np.float16) else "bf16"
+
+
+def _store_rows(page_size: int, num_heads: int, layout: StoreLayout) -> tuple[int, int, int]:
+    """Strides in store rows (one head's head_dim codes, or its scales) of a
+    page, an offset in a page and a head, within one layer."""
+    if layout is StoreLayout.NHD:
+        return page_size * num_heads, num_heads, 1
+    return page_size * num_heads, 1, page_size
+
+
+def plan_write_quantized(layout: StoreLayout, store_shape: tuple[int, ...], dtype: Any,
+                         num_tokens: int, group: int, k_strides: tuple[int, int],
+                         v_strides: tuple[int, int]) -> LaunchPlan | None:
+    """Launch of ``paged_write_q``; ``None`` when there is nothing to move.
+
+    Parameters
+    ----------
+    store_shape : tuple of 5 ints
+        Shape of the C-contiguous int8 code store.
+    dtype : numpy dtype
+        dtype of k and v (float32, float16 or bfloat16).
+    group : int
+        Values per scale (see :func:`pagedkv_np.quant.group_size`).
+    k_strides, v_strides : tuple of 2 ints
+        Byte strides of the token and head axes of k and v (rows contiguous).
+
+    The kernel's pointer arguments, in order: K codes' layer, V codes' layer,
+    K scales' layer, V scales' layer, k, v, slot_mapping.
+    """
+    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    num_groups = head_dim // group
+    work = num_tokens * num_heads * num_groups
+    if work == 0:
+        return None
+    itemsize = np.dtype(dtype).itemsize
+    grid = (min(_ceil_div(work, _BLOCK_THREADS), _MAX_GRID_X), 1, 1)
+    scalars = (_i32(num_tokens, "slot_mapping length"), np.int32(num_heads),
+               np.int32(head_dim), np.int32(group), np.int32(page_size),
+               *(np.int64(r) for r in _store_rows(page_size, num_heads, layout)),
+               *(np.int64(s // itemsize) for s in (*k_strides, *v_strides)))
+    return LaunchPlan("paged_quant.cu", f"paged_write_q_{_kind_suffix(dtype)}", grid,
+                      (_BLOCK_THREADS, 1, 1), scalars)
+
+
+def plan_gather_quantized(layout: StoreLayout, out_layout: OutputLayout,
+                          store_shape: tuple[int, ...], dtype: Any, num_seqs: int,
+                          max_pages: int, num_positions: int, group: int) -> LaunchPlan | None:
+    """Launch of ``paged_gather_q`` into C-contiguous outputs of ``dtype``;
+    ``None`` when the output is empty. The kernel's pointer arguments, in
+    order: K codes' layer, V codes' layer, K scales' layer, V scales' layer,
+    k_out, v_out, page_table ([num_seqs, max_pages], C-contiguous), seq_lens.
+    """
+    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    work = num_seqs * num_positions * num_heads * head_dim
+    if work == 0:
+        return None
+    grid = (min(_ceil_div(work, _BLOCK_THREADS), _MAX_GRID_X), 1, 1)
+    scalars = (_i32(num_seqs, "page_table rows"), _i32(max_pages, "page_table columns"),
+               _i32(num_positions, "out positions"), np.int32(num_heads), np.int32(head_dim),
+               np.int32(group), np.int32(page_size),
+               np.int32(out_layout is OutputLayout.BHTD),
+               *(np.int64(r) for r in _store_rows(page_size, num_heads, layout)))
+    return LaunchPlan("paged_quant.cu", f"paged_gather_q_{_kind_suffix(dtype)}", grid,
+                      (_BLOCK_THREADS, 1, 1), scalars)
+
+
 class CupyBackend(Backend):
     """CUDA implementation of :class:`~pagedkv_np.backends.base.Backend`.
 
@@ -401,6 +475,34 @@ class CupyBackend(Backend):
                                   out_layout=out_layout, out=out, num_positions=num_positions,
                                   check_indices=check_indices)
 
+    def write_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                        layer: int, slot_mapping: np.ndarray, k: Any, v: Any, *,
+                        layout: "str | StoreLayout" = StoreLayout.NHD,
+                        check_indices: bool = True) -> None:
+        """As :meth:`Backend.write_quantized`; ``k`` and ``v`` as in :meth:`write`."""
+        k, v = self._input(k, "k"), self._input(v, "v")
+        others = {"v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale, "k": k, "v": v}
+        with self._on_store_device(k_cache, others):
+            super().write_quantized(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping,
+                                    k, v, layout=layout, check_indices=check_indices)
+
+    def gather_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
+                         layer: int, page_table: np.ndarray, seq_lens: np.ndarray, *,
+                         layout: "str | StoreLayout" = StoreLayout.NHD,
+                         out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+                         out: tuple[Any, Any] | None = None, num_positions: int | None = None,
+                         dtype: Any = None, check_indices: bool = True) -> tuple[Any, Any]:
+        """As :meth:`Backend.gather_quantized`; ``out`` as in :meth:`gather`."""
+        others = {"v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale}
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            out = (self._output(out[0], "out[0]"), self._output(out[1], "out[1]"))
+            others.update({"out[0]": out[0], "out[1]": out[1]})
+        with self._on_store_device(k_cache, others):
+            return super().gather_quantized(
+                k_cache, v_cache, k_scale, v_scale, layer, page_table, seq_lens, layout=layout,
+                out_layout=out_layout, out=out, num_positions=num_positions, dtype=dtype,
+                check_indices=check_indices)
+
     def copy_pages(self, k_cache: Any, v_cache: Any, src_pages: np.ndarray,
                    dst_pages: np.ndarray, *, layout: "str | StoreLayout" = StoreLayout.NHD,
                    check_indices: bool = True) -> None:
@@ -447,3 +549,30 @@ class CupyBackend(Backend):
             src = cupy.asarray(np.ascontiguousarray(src_pages))
             dst = cupy.asarray(np.ascontiguousarray(dst_pages))
             self._launch(plan, k_cache, v_cache, src, dst)
+
+    def _write_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k, v,
+                         layout):
+        itemsize = k.dtype.itemsize
+        k, v = (x if x.shape[2] <= 1 or x.strides[2] == itemsize else cupy.ascontiguousarray(x)
+                for x in (k, v))
+        plan = plan_write_quantized(layout, k_cache.shape, k.dtype, slot_mapping.shape[0],
+                                    group_size(k_cache.shape[4]),
+                                    row_strides(k.shape, k.strides),
+                                    row_strides(v.shape, v.strides))
+        if plan is not None:
+            slots = cupy.asarray(np.ascontiguousarray(slot_mapping))
+            self._launch(plan, k_cache[layer], v_cache[layer], k_scale[layer], v_scale[layer],
+                         k, v, slots)
+
+    def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
+                          seq_lens, k_out, v_out, layout, out_layout):
+        t_axis = 1 if out_layout is OutputLayout.BTHD else 2
+        plan = plan_gather_quantized(layout, out_layout, k_cache.shape, k_out.dtype,
+                                     page_table.shape[0], page_table.shape[1],
+                                     k_out.shape[t_axis], group_size(k_cache.shape[4]))
+        if plan is not None:
+            table = cupy.asarray(np.ascontiguousarray(page_table))
+            lens = cupy.asarray(np.ascontiguousarray(seq_lens))
+            self._launch(plan, k_cache[layer], v_cache[layer], k_scale[layer], v_scale[layer],
+                         k_out, v_out, table, lens)
+
