@@ -70,6 +70,7 @@ class GGUFFile:
                                   f"corrupt): {type(exc).__name__}: {exc}") from None
 
     def get(self, key: str, default: Any = None, kind: type | tuple = (int,)) -> Any:
+        """Metadata ``key`` (``default`` when absent), which must be of ``kind``."""
         value = self.meta.get(key, default)
         if value is not None and not (isinstance(value, kind) and not isinstance(value, bool)
                                       or kind is bool and isinstance(value, bool)):
@@ -78,12 +79,25 @@ class GGUFFile:
         return value
 
     def need(self, key: str, kind: type | tuple = (int,)) -> Any:
+        """Metadata ``key``, which must be there and of ``kind``."""
         if key not in self.meta:
             raise GGUFFormatError(f"{self.path!r}: metadata {key} is missing")
         return self.get(key, kind=kind)
 
 
 def read_geometry(f: GGUFFile) -> tuple[str, DecoderGeometry]:
+    """The architecture name and the geometry the metadata gives.
+
+    ``tie_word_embeddings`` is whether the file lacks ``output.weight``.
+
+    Raises
+    ------
+    UnsupportedModelError
+        An architecture or feature (experts, sliding window, RoPE scaling, a
+        partial rotary dimension) that is not converted.
+    GGUFFormatError
+        Metadata that is missing or gives no valid geometry.
+    """
     arch = f.get("general.architecture", kind=str)
     if arch is None:
         raise GGUFFormatError(f"{f.path!r}: metadata general.architecture is missing")
@@ -162,6 +176,34 @@ def kept_blocks(mode: str, accuracy_level: int) -> dict:
 
 def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: dict
              ) -> tuple[DecoderGeometry, dict[str, Linear]]:
+    """The weights that :func:`~pagedkv_np.onnxruntime.graph.build_decoder` takes.
+
+    Parameters
+    ----------
+    f : GGUFFile
+    arch : str
+        From :func:`read_geometry`, with its geometry ``c``.
+    mode : {"q4", "float32", "float16"}
+        Float dtype of the tensors that are not kept as blocks (``"q4"``:
+        as stored).
+    blocks : dict
+        From :func:`kept_blocks`: GGUF types kept as ggml blocks.
+
+    Returns
+    -------
+    (DecoderGeometry, dict)
+        The geometry of the graph (a tied head whose blocks are kept becomes
+        an ``lm_head`` of its own) and the weights by graph name, Q/K rows
+        back in the original order.
+
+    Raises
+    ------
+    UnsupportedModelError
+        A tensor of an unsupported type (named, with its type) or one that is
+        not part of the architecture.
+    GGUFFormatError
+        A missing tensor, or one whose shape contradicts the metadata.
+    """
     expected = _expected(c)
     for name, t in f.tensors.items():
         if name not in expected and name != "rope_freqs.weight":
