@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from pagedkv_np import ConfigError, DTypeError, PagedKVError
+from pagedkv_np.errors import RequestFailed
 from pagedkv_np.onnxruntime import OrtDecoder
 from pagedkv_np.onnxruntime.pretrained import ModelUnavailable, default_model_path
 from pagedkv_np.onnxruntime.streaming import truncate_at_stop
@@ -245,6 +246,53 @@ def test_closing_a_stream_aborts_and_frees_pages(folders, family):
     # the decoder goes on as before
     assert dec.chat(CHATS[0], max_new_tokens=NEW) == reference(
         folders, family, [dec.encode_chat(CHATS[0])])[0]
+
+
+# ------------------------------------------------------- failed steps
+
+def fail_decode_steps(dec: OrtDecoder, monkeypatch) -> None:
+    """The real session raises on every decode step (one new token per row)."""
+    real = dec.session.run
+
+    def run(names, feeds, *args, **kwargs):
+        if feeds["input_ids"].shape[1] == 1:
+            raise RuntimeError("injected decode failure")
+        return real(names, feeds, *args, **kwargs)
+
+    monkeypatch.setattr(dec.session, "run", run)
+
+
+def test_a_failed_step_raises_and_leaves_nothing(folders, monkeypatch):
+    dec = load(folders, "optimum")
+    fail_decode_steps(dec, monkeypatch)
+    with pytest.raises(RequestFailed, match="injected decode failure"):
+        dec.chat(CHATS[:2], max_new_tokens=NEW)
+    assert not dec.has_unfinished_requests() and dec.stats["pages_used"] == 0
+    it = dec.stream_chat(CHATS[0], max_new_tokens=NEW)
+    with pytest.raises(RequestFailed):
+        list(it)
+    assert it.finish_reason == "error"
+    assert not dec.has_unfinished_requests() and dec.stats["pages_used"] == 0
+    monkeypatch.undo()
+    assert dec.chat(CHATS[0], max_new_tokens=NEW) == reference(
+        folders, "optimum", [dec.encode_chat(CHATS[0])])[0]
+
+
+def test_finish_reasons(folders):
+    dec = load(folders, "optimum")
+    it = dec.stream_chat(CHATS[0], max_new_tokens=3, eos_token_id=[])
+    list(it)
+    assert it.finish_reason == "length" and len(it.token_ids) == 3
+    it = dec.stream_chat(CHATS[0], max_new_tokens=NEW, eos_token_id=[])
+    next(it)
+    dec.abort(it.request_id)           # by another caller
+    list(it)
+    assert it.finish_reason == "abort" and not dec.has_unfinished_requests()
+    it = dec.stream_chat(CHATS[3], max_new_tokens=NEW)
+    list(it)
+    again = dec.stream_chat(CHATS[3], max_new_tokens=NEW)
+    list(again)
+    assert again.num_cached_tokens > 0 and again.num_prompt_tokens == it.num_prompt_tokens
 
 
 # ----------------------------------------------------------------- errors

@@ -274,7 +274,8 @@ def resolve_model(model: Any = None, *, weights: str | None = None,
         # imported here: the GGUF reader is an optional dependency needed only now
         from .gguf_import import import_gguf
 
-        options = {k: v for k, v in (("weights", weights), ("family", family)) if v is not None}
+        options: dict[str, Any] = {k: v for k, v in (("weights", weights), ("family", family))
+                                   if v is not None}
         return load_folder(import_gguf(path, **options))
     if weights is not None:
         raise ConfigError(f"Invalid weights: {weights!r} applies to .gguf files only; a "

@@ -27,8 +27,6 @@ The engine form, for callers that drive ``step`` themselves::
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
@@ -91,20 +89,23 @@ class TextIterator:
         The deltas returned so far, joined.
     token_ids : list of int
         The tokens generated so far.
-    finish_reason : {"stop", "length", "abort"} or None
+    num_cached_tokens : int
+        Prompt tokens served from the prefix cache (0 until admitted).
+    finish_reason : {"stop", "length", "abort", "error"} or None
         None while running; "stop" after an end token or a stop string,
-        "length" after ``max_new_tokens`` tokens, "abort" once closed early.
+        "length" after ``max_new_tokens`` tokens, "abort" once closed early
+        (or aborted by another caller), "error" once a step of it failed.
     """
 
     def __init__(self, decoder: "OrtDecoder", request_id: int, stream: "TextStream",
-                 num_prompt_tokens: int, max_new_tokens: int) -> None:
+                 num_prompt_tokens: int) -> None:
         self.decoder = decoder
         self.request_id = request_id
         self.num_prompt_tokens = num_prompt_tokens
         self.token_ids: list[int] = []
+        self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self._stream = stream
-        self._max_new_tokens = max_new_tokens
 
     @property
     def text(self) -> str:
@@ -115,24 +116,31 @@ class TextIterator:
 
     def poll(self) -> str:
         """Take in the tokens generated so far, without stepping; returns the
-        new text (maybe "") and sets ``finish_reason`` once the request ends."""
+        new text (maybe "") and sets ``finish_reason`` once the request ends.
+
+        Raises
+        ------
+        RequestFailed
+            A step of the request failed (the request is then forgotten).
+        """
         if self.finish_reason is not None:
             return ""
         dec, rid = self.decoder, self.request_id
-        # finished is read first: another thread may step between the two reads
-        finished = dec.is_finished(rid)
+        # the status is read first: another thread may step between the reads
+        status = dec.status(rid)
+        self.num_cached_tokens = status.num_cached_tokens
         new = dec.get_output(rid)[len(self.token_ids):]
         self.token_ids.extend(new)
         delta = self._stream.push(new)
         if self._stream.stopped:
             dec.abort(rid)
             self._end("stop")
-        elif finished:
+        elif status.finished:
+            if status.error is not None:
+                self._end("error")
+                raise status.error
             delta += self._stream.finish()
-            ended_by_eos = bool(self.token_ids) and \
-                self.token_ids[-1] in self._stream.eos_token_ids
-            self._end("stop" if ended_by_eos or len(self.token_ids) < self._max_new_tokens
-                      else "length")
+            self._end(status.finish_reason or "stop")
         return delta
 
     def _end(self, reason: str) -> None:
@@ -219,19 +227,13 @@ class TextGenerationMixin:
         kwargs = folder.engine_kwargs()
         if family is not None:
             kwargs["family"] = family
-        takes_limit = "max_positions" in inspect.signature(cls).parameters
-        if takes_limit:
-            kwargs["max_positions"] = folder.context_length
+        kwargs["max_positions"] = folder.context_length
         kwargs.update(engine_kwargs)
         factory: Any = cls
         dec = factory(folder.model_path, **kwargs)
         dec.text = folder.codec
         dec.model_folder = folder
         dec.context_length = folder.context_length
-        limit = dec.io.max_positions
-        if not takes_limit and (limit is None or limit > folder.context_length):
-            # an engine without its own limit reads the one of its graph's I/O
-            dec.io = dataclasses.replace(dec.io, max_positions=folder.context_length)
         return dec
 
     # ------------------------------------------------------------- encoding
@@ -278,7 +280,7 @@ class TextGenerationMixin:
             for ids, stream, s in zip(prompts, streams, seeds):
                 rid = dec.add_request(ids, max_new_tokens, eos_token_id=eos_token_id,
                                        seed=s, **sampling)
-                its.append(TextIterator(dec, rid, stream, len(ids), max_new_tokens))
+                its.append(TextIterator(dec, rid, stream, len(ids)))
         except BaseException:
             for it in its:
                 it.close()
