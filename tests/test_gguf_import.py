@@ -82,7 +82,8 @@ class Spec:
 
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm",
-               tokenizer_model="gpt2", tensor_types=None, skip=(), sizes=None) -> Spec:
+               tokenizer_model="gpt2", tensor_types=None, skip=(), sizes=None, add_bos=False,
+               rope_freqs=None) -> Spec:
     rng = np.random.default_rng(seed)
     g = {**GEOMETRIES.get(arch, GEOMETRIES["llama"]), **(sizes or {})}
     tokens, types = vocab()
@@ -109,7 +110,7 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm"
     w.add_token_merges([f"{a} {b}" for a, b in MERGES])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template(TEMPLATE)
     ref: dict = {}
 
@@ -134,6 +135,9 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm"
             ref[key] = decoded.T.copy() if len(shape) == 2 and key != "embed" else decoded
 
     permute = arch == "llama"
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", rope_freqs)
+        ref["rope_freqs"] = rope_freqs
     tensor("token_embd.weight", "embed", (c.vocab_size, h), 2.0)
     if not tied:
         tensor("output.weight", "lm_head", (c.vocab_size, h), 8.0 / np.sqrt(h))
@@ -347,6 +351,29 @@ def test_tokenizer_round_trips(tmp_path, pre, text, pieces):
     for s in ["hello world", "Grüße, 世界!\n\tthe end 42", "<|im_start|>user\nhi<|im_end|>"]:
         assert tok.decode(tok.encode(s).ids, skip_special_tokens=False) == s
     assert tok.decode(tok.encode("<|im_start|>hi").ids, skip_special_tokens=True) == "hi"
+
+
+def test_bos_is_added_when_the_file_says_so(tmp_path):
+    spec = write_gguf(tmp_path / "m.gguf", add_bos=True)
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tokens, _ = vocab()
+    assert tok.encode("hello").ids == [1, tokens.index("hello")]
+    assert tok.encode("hello", add_special_tokens=False).ids == [tokens.index("hello")]
+    assert json.loads((folder / "tokenizer_config.json").read_text())["add_bos_token"] is True
+
+
+def test_rope_frequency_factors_are_applied(tmp_path):
+    factors = np.linspace(1.0, 6.0, 16).astype(np.float32)
+    spec = write_gguf(tmp_path / "m.gguf", rope_freqs=factors)
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    tokens = np.random.default_rng(2).integers(0, spec.geometry.vocab_size, 40).tolist()
+    want = reference_logits(spec.geometry, spec.reference, tokens)
+    plain = reference_logits(spec.geometry, {k: v for k, v in spec.reference.items()
+                                             if k != "rope_freqs"}, tokens)
+    assert np.abs(plain - want).max() > 0.01 * np.abs(want).max()
+    got = _logits(_session(folder), tokens)
+    assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
 
 
 def test_second_import_is_a_cache_hit(tmp_path):
