@@ -343,3 +343,20 @@ def test_text_stream_drops_end_tokens_and_stops(codec):
     # an end token that is not special is still left out
     s = TextStream(codec, eos_token_ids=[ids[-1]], skip_special_tokens=False)
     assert "".join(s.push(i) for i in ids) + s.finish() == codec.decode(ids[:-1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, tf.VOCAB - 1), max_size=40),
+       chunks=st.lists(st.integers(1, 4), max_size=40),
+       stops=st.lists(st.sampled_from(["e", "th", " ", "😀", "\ufffd", "ab", "日本"]),
+                      max_size=3))
+def test_text_stream_equals_the_whole_decode_cut_at_its_stop(codec, ids, chunks, stops):
+    s = TextStream(codec, stop=stops or None, eos_token_ids=[tf.EOS_ID])
+    out, i = [], 0
+    for n in chunks + [len(ids)]:
+        out.append(s.push(ids[i:i + n]))
+        i += n
+    out.append(s.finish())
+    whole = codec.decode([t for t in ids if t != tf.EOS_ID])
+    assert "".join(out) == s.text == truncate_at_stop(whole, stops or None)
+    assert s.stopped == any(x in whole for x in stops)
