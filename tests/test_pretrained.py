@@ -78,6 +78,15 @@ def test_optimum_folder(tmp_path):
     assert dec.generate([PROMPT], max_new_tokens=NEW, eos_token_id=[]) == [numpy_greedy()]
 
 
+def test_optimum_folder_with_the_graph_in_onnx_subfolder(tmp_path):
+    tf.optimum_folder(tmp_path)
+    os.mkdir(tmp_path / "onnx")
+    os.rename(tmp_path / "model.onnx", tmp_path / "onnx" / "model.onnx")
+    assert load_folder(tmp_path).model_path == str(tmp_path / "onnx" / "model.onnx")
+    assert small(tmp_path).generate([PROMPT], max_new_tokens=NEW,
+                                    eos_token_id=[]) == [numpy_greedy()]
+
+
 def test_graph_wins_over_the_config_where_it_fixes_a_dimension(tmp_path):
     tf.optimum_folder(tmp_path, config={"head_dim": 99, "num_key_value_heads": 7})
     dec = small(tmp_path)

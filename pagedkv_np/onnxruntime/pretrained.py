@@ -3,7 +3,8 @@
 Two folder layouts are read:
 
 optimum export
-    ``model.onnx`` (weights inline or in external data), ``config.json``,
+    ``model.onnx`` (weights inline or in external data; or ``onnx/model.onnx``
+    as Hugging Face repositories of ONNX exports keep it), ``config.json``,
     ``generation_config.json``, ``tokenizer.json``, ``tokenizer_config.json``.
 onnxruntime-genai
     ``genai_config.json`` (whose ``model.decoder.filename`` names the graph,
@@ -197,6 +198,9 @@ def load_folder(path: str | os.PathLike) -> ModelFolder:
         raise ModelFolderError(f"Invalid genai_config.json: model.decoder.filename is "
                                f"{filename!r}")
     model_path = join(filename)
+    if not has_genai and not os.path.isfile(model_path):
+        # Hugging Face repositories of ONNX exports keep the graph in onnx/
+        model_path = join(os.path.join("onnx", filename))
     if not os.path.isfile(model_path):
         raise MissingModelFile(f"Invalid model folder: no {filename} in {folder!r}")
     codec = TextCodec.from_folder(folder)
