@@ -142,7 +142,7 @@ def _position_rows(graph: Any) -> int | None:
     cache) is a 2-D constant gathered with indices computed from
     ``position_ids`` (or, in graphs that number positions themselves, from
     ``attention_mask``); a position past its rows makes onnxruntime fail.
-    GroupQueryAttention reads its cos cache (input 7) the same way.
+    GroupQueryAttention reads its cos and sin caches (inputs 7, 8) the same way.
     """
     rows = _table_rows(graph)
     derived = {i.name for i in graph.input} & {"position_ids", "attention_mask"}
@@ -151,9 +151,8 @@ def _position_rows(graph: Any) -> int | None:
         if node.op_type == "Gather" and len(node.input) > 1 and node.input[1] in derived \
                 and node.input[0] in rows:
             found.append(rows[node.input[0]])
-        elif node.op_type == "GroupQueryAttention" and len(node.input) > 7 \
-                and node.input[7] in rows:
-            found.append(rows[node.input[7]])
+        elif node.op_type == "GroupQueryAttention":   # inputs 7 and 8: cos and sin caches
+            found += [rows[name] for name in node.input[7:9] if name in rows]
         if any(name in derived for name in node.input):
             derived.update(node.output)
     return min(found) if found else None
