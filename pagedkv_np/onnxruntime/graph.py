@@ -22,7 +22,7 @@ Weight names and shapes: :mod:`pagedkv_np.onnxruntime.geometry`.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -211,10 +211,18 @@ class _Layers:
         self.g, self.c, self.w = g, c, w
         self.names: dict[str, str] = {}
 
+    def array(self, name: str) -> np.ndarray:
+        """A weight that check_weights has confirmed to be a float array."""
+        return cast(np.ndarray, self.w[name])
+
     def vec(self, name: str) -> str:
         if name not in self.names:
-            self.names[name] = self.g.float_init(self.w[name], name)   # type: ignore[arg-type]
+            self.names[name] = self.g.float_init(self.array(name), name)
         return self.names[name]
+
+    def rope(self) -> tuple[np.ndarray, np.ndarray]:
+        factors = self.array("rope_freqs") if "rope_freqs" in self.w else None
+        return rope_tables(self.c, factors)
 
     def norm(self, x: str, name: str) -> str:
         return _rms_norm(self.g, x, self.vec(name), self.c.rms_eps)
@@ -253,7 +261,7 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
         running = g.op("Sub", [running, g.const(np.array(1, np.int64))])
         running = g.op("Slice", [running, past_len, total_len, one])
         position_ids = g.op("Max", [running, g.const(np.array(0, np.int64))])
-    cos_tab, sin_tab = rope_tables(c, layers.w.get("rope_freqs"))    # type: ignore[arg-type]
+    cos_tab, sin_tab = layers.rope()
     cos = g.op("Unsqueeze", [g.op("Gather", [g.const(cos_tab, "cos"), position_ids]), one])
     sin = g.op("Unsqueeze", [g.op("Gather", [g.const(sin_tab, "sin"), position_ids]), one])
     # additive mask [B, 1, S, T]: key j is visible to query i iff j <= past + i and
@@ -305,7 +313,7 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
                      to=TensorProto.INT32)
     total_len = g.op("Cast", [g.op("Squeeze", [_shape_at(g, "attention_mask", 1)])],
                      to=TensorProto.INT32)
-    cos_tab, sin_tab = rope_tables(c, layers.w.get("rope_freqs"))    # type: ignore[arg-type]
+    cos_tab, sin_tab = layers.rope()
     cos, sin = g.const(cos_tab, "cos_cache"), g.const(sin_tab, "sin_cache")
     for i in range(c.num_layers):
         q, k, v = layers.qkv(layers.norm(x, f"l{i}.attn_norm"), i)
