@@ -35,6 +35,7 @@ ZERO = np.float32(0.0)
 # Adding and subtracting 1.5 * 2**23 rounds a float32 of magnitude below
 # 2**22 to an integer, half to even: rint, in two operations that vectorize.
 RNE_MAGIC = np.float32(12582912.0)
+SUBNORMAL_F16 = np.float32(2.0 ** -24)  # the smallest float16 subnormal
 
 # As in _numba_kernels: chunks of at least this many bytes written, at most
 # this many chunks, per parallel call.
@@ -47,48 +48,47 @@ _MIN_CHUNK_BYTES = 256 << 10
 # stops a loop from vectorizing, so values change type only through two
 # views of one scratch array.
 @jit_kernel
-def _f16_to_f32_bits(h):
-    """float32 bits of float16 bits ``h`` (exact, subnormals and NaN included)."""
-    h = np.uint32(h)
-    sign = (h & 0x8000) << 16
-    e = (h >> 10) & 0x1F
-    m = h & 0x3FF
-    if e == 0x1F:
-        return np.uint32(sign | 0x7F800000 | (m << 13))
-    if e != 0:
-        return np.uint32(sign | ((e + 112) << 23) | (m << 13))
-    if m == 0:
-        return np.uint32(sign)
-    e2 = np.uint32(113)  # a subnormal: normalise the significand
-    while (m & 0x400) == 0:
-        m <<= 1
-        e2 -= 1
-    return np.uint32(sign | (e2 << 23) | ((m & 0x3FF) << 13))
+def _widen_f16(xg, bits, vals):
+    """float32 of the float16 bits ``xg`` into ``vals`` (exact, NaN and
+    subnormals included), in two branch-free passes: bits for the normal,
+    infinite and NaN ones, then values for the subnormal ones, each
+    ``m * 2**-24`` in float32 arithmetic (exact)."""
+    for e in range(xg.shape[0]):
+        h = np.uint32(xg[e])
+        sign = (h & 0x8000) << 16
+        em = h & 0x7FFF
+        normal = sign | ((em << 13) + 0x38000000)
+        special = sign | 0x7F800000 | ((h & 0x3FF) << 13)
+        bits[e] = special if em >= 0x7C00 else (normal if em >= 0x400 else sign)
+    for e in range(xg.shape[0]):
+        h = np.uint32(xg[e])
+        em = h & 0x7FFF
+        sub = np.float32(em) * SUBNORMAL_F16
+        sub = -sub if (h & 0x8000) != 0 else sub
+        vals[e] = sub if em < 0x400 else vals[e]
 
 
 @jit_kernel
 def _f32_bits_to_f16(b):
-    """float16 bits of float32 bits ``b``, rounded to nearest, ties to even."""
-    b = np.uint32(b)
-    sign = np.uint32((b >> 16) & 0x8000)
+    """float16 bits of float32 bits ``b``, rounded to nearest, ties to even.
+    Every case is computed and one selected, so that loops over it vectorize."""
+    b = np.int64(b)
+    sign = (b >> 16) & 0x8000
     a = b & 0x7FFFFFFF
-    if a > 0x7F800000:  # NaN (never made by a dequantization)
-        return np.uint16(sign | 0x7E00)
-    if a >= 0x477FF000:  # from 65520 up: infinity
-        return np.uint16(sign | 0x7C00)
-    if a >= 0x38800000:  # a normal float16
-        r = a - 0x38000000
-        return np.uint16(sign | ((r + 0xFFF + ((r >> 13) & 1)) >> 13))
-    if a < 0x33000000:  # below half the smallest subnormal
-        return np.uint16(sign)
-    shift = np.uint32(126 - (a >> 23))
+    r = a - 0x38000000  # a normal float16: rebias, round on bit 13
+    normal = (r + 0xFFF + ((r >> 13) & 1)) >> 13
+    # a subnormal float16 (or zero): the significand shifted down, rounded
+    shift = min(max(126 - (a >> 23), 1), 31)
     m = (a & 0x7FFFFF) | 0x800000
-    r = m >> shift
-    rest = m & ((np.uint32(1) << shift) - 1)
-    half = np.uint32(1) << (shift - 1)
-    if rest > half or (rest == half and (r & 1) != 0):
-        r += 1
-    return np.uint16(sign | r)
+    q = m >> shift
+    rest = m & ((np.int64(1) << shift) - 1)
+    half = np.int64(1) << (shift - 1)
+    up = rest > half or (rest == half and (q & 1) != 0)
+    sub = q + 1 if up else q
+    out = sub if a < 0x38800000 else normal
+    out = 0x7C00 if a >= 0x477FF000 else out  # from 65520 up: infinity
+    out = 0x7E00 if a > 0x7F800000 else out   # NaN (never made by a dequantization)
+    return np.uint16(sign | out)
 
 
 @jit_kernel
@@ -148,8 +148,7 @@ def _quantize_row_16(xr, cr, sr, group, kind, bits, vals):
             for e in range(group):
                 bits[e] = np.uint32(xg[e]) << 16
         else:
-            for e in range(group):
-                bits[e] = _f16_to_f32_bits(xg[e])
+            _widen_f16(xg, bits, vals)
         sr[g] = _quantize_group(vals, cr[g * group:(g + 1) * group])
 
 

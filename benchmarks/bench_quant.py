@@ -1,0 +1,122 @@
+"""int8 stores: quantize on write, dequantize on gather, and tokens per GiB.
+
+The data moves time one layer of ``num_seqs`` sequences x ``seq_len``
+tokens of 8 KV heads x 128 (pages of 16 in shuffled order) and track their
+ratio to a plain copy of the float bytes the caller hands in (write) or gets
+back (gather), measured in the same process: 1.0 is as fast as copying the
+floats. ``TokensPerGiB`` tracks how many tokens a GiB of K/V holds, scales
+included.
+"""
+
+import numpy as np
+
+from pagedkv_np import KVStore
+
+from . import HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, backend_or_skip, bandwidth, memo, with_sync
+
+BACKENDS = ["numpy", "numba", "cupy"]
+FLOAT_DTYPES = ["float32", "float16"]
+SIZES = ["4x2048", "32x2048"]
+
+
+def _case(backend, size, layout):
+    num_seqs, seq_len = map(int, size.split("x"))
+    num_pages = num_seqs * (-(-seq_len // PAGE_SIZE))
+    store = KVStore(1, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM, num_pages=num_pages, dtype="int8",
+                    layout=layout, backend=backend)
+    pages = np.random.default_rng(0).permutation(num_pages).astype(np.int32)
+    table = pages.reshape(num_seqs, -1)
+    seq_lens = np.full(num_seqs, seq_len, np.int32)
+    pos = np.arange(seq_len)
+    slots = np.concatenate([table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
+                            for b in range(num_seqs)]).astype(np.int32)
+    return store, table, seq_lens, slots
+
+
+class _Quant:
+    repeat = (5, 50, 5.0)
+
+    def setup(self, backend_name, *params):
+        backend = backend_or_skip(backend_name)
+
+        def build_and_warm_up():
+            case = self.build(backend, *params)
+            case[0]()
+            return case
+
+        key = (type(self).__name__, backend_name) + params
+        self.run, self.float_bytes, self.backend = memo(key, build_and_warm_up)
+
+    def track_ratio_to_copy(self, *params):
+        # a copy of the float bytes reads them and writes them
+        gbps, copy_gbps = bandwidth(self.run, 2 * self.float_bytes, self.backend)
+        return gbps / copy_gbps
+
+    track_ratio_to_copy.unit = "ratio"
+
+
+class WriteQuantized(_Quant):
+    """Quantize every token of the batch (a prefill of all of it)."""
+
+    params = [BACKENDS, FLOAT_DTYPES, ["NHD", "HND"], SIZES]
+    param_names = ["backend", "dtype", "layout", "size"]
+
+    @staticmethod
+    def build(backend, dtype, layout, size):
+        store, _, _, slots = _case(backend, size, layout)
+        rng = np.random.default_rng(1)
+        shape = (len(slots), NUM_KV_HEADS, HEAD_DIM)
+        k = backend.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+        v = backend.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+        arrays = (store.k, store.v, store.k_scale, store.v_scale)
+
+        def run():
+            backend.write_quantized(*arrays, 0, slots, k, v, layout=layout, check_indices=False)
+
+        return with_sync(backend, run), k.nbytes + v.nbytes, backend
+
+    def time_write(self, *params):
+        self.run()
+
+
+class GatherQuantized(_Quant):
+    """Dequantize the batch into preallocated buffers: NHD into BTHD and HND
+    into BHTD (layout-matched), and NHD into BHTD."""
+
+    params = [BACKENDS, FLOAT_DTYPES, ["NHD-BTHD", "HND-BHTD", "NHD-BHTD"], SIZES]
+    param_names = ["backend", "dtype", "layouts", "size"]
+
+    @staticmethod
+    def build(backend, dtype, layouts, size):
+        layout, out_layout = layouts.split("-")
+        store, table, seq_lens, _ = _case(backend, size, layout)
+        num_seqs, seq_len = table.shape[0], int(seq_lens[0])
+        shape = ((num_seqs, seq_len, NUM_KV_HEADS, HEAD_DIM) if out_layout == "BTHD"
+                 else (num_seqs, NUM_KV_HEADS, seq_len, HEAD_DIM))
+        out = (backend.zeros(shape, np.dtype(dtype)), backend.zeros(shape, np.dtype(dtype)))
+        arrays = (store.k, store.v, store.k_scale, store.v_scale)
+
+        def run():
+            backend.gather_quantized(*arrays, 0, table, seq_lens, layout=layout,
+                                     out_layout=out_layout, out=out, check_indices=False)
+
+        return with_sync(backend, run), out[0].nbytes + out[1].nbytes, backend
+
+    def time_gather(self, *params):
+        self.run()
+
+
+class TokensPerGiB:
+    """Tokens a GiB of K/V holds (page_size 16), for 8 KV heads x 128 over
+    32 layers and SmolLM2-135M's 3 x 64 over 30 layers."""
+
+    params = [["float32", "float16", "int8"], ["8x128", "3x64"]]
+    param_names = ["dtype", "geometry"]
+
+    def track_tokens_per_gib(self, dtype, geometry):
+        heads, dim = map(int, geometry.split("x"))
+        layers = 32 if geometry == "8x128" else 30
+        per_token = KVStore.bytes_per_page(layers, PAGE_SIZE, heads, dim, dtype) // PAGE_SIZE
+        return (1 << 30) // per_token
+
+    track_tokens_per_gib.unit = "tokens"
