@@ -313,3 +313,36 @@ def test_int8_cache_copy_on_write_moves_scales(expected_kv=None):
     assert np.array_equal(store.k_scale[:, dst, :2], store.k_scale[:, src, :2])
     assert np.array_equal(store.v[:, dst, :2], store.v[:, src, :2])
     assert store.k_scale[:, dst, :2].any()
+
+
+# ------------------------------------------------------------- OrtDecoder
+def test_ort_decoder_with_int8_pages_holds_the_round_trip_of_the_prompt():
+    """OrtDecoder(kv_dtype="int8"): the prompt's K/V, computed in one model
+    call, lands in the pages as the round trip of what a float32 decoder's
+    pages hold for the same prompt; decoding then runs on the int8 pages."""
+    from pagedkv_np.onnxruntime import OrtDecoder
+    from pagedkv_np.onnxruntime.testmodel import build_model
+
+    model = build_model().SerializeToString()
+    prompt = list(range(3, 40))
+    decoders = {d: OrtDecoder(model, num_pages=16, page_size=PAGE_SIZE, backend="numpy",
+                              kv_dtype=d, write_interval=1)
+                for d in ("float32", "int8")}
+    assert decoders["int8"].cache.dtype == np.int8
+    gathered = {}
+    for d, dec in decoders.items():
+        rid = dec.add_request(prompt, 1)
+        while not dec.step().finished:
+            pass
+        assert len(dec.get_output(rid)) == 1
+        cache = dec.cache
+        seq = cache.add_sequence(prompt + [0])   # the prompt's pages, from the index
+        assert seq.num_cached_tokens == len(prompt)   # whole pages and a partial copy
+        plan = cache.plan([seq])
+        gathered[d] = [cache.gather(layer, plan, "BTHD") for layer in range(cache.num_layers)]
+        cache.release(seq)
+    for (k32, v32), (k8, v8) in zip(gathered["float32"], gathered["int8"]):
+        for got, ref in ((k8, k32), (v8, v32)):
+            assert np.array_equal(bits(got), bits(dequantize(*quantize(ref))))
+    out = decoders["int8"].generate([prompt], 8)
+    assert len(out[0]) == 8
