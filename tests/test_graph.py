@@ -206,3 +206,17 @@ def test_optimum_takes_any_even_head_dim():
     got = _logits(_session(build_decoder(c, weights, family="optimum")), tokens)
     want = reference_logits(c, weights, tokens)
     assert np.abs(got - want).max() < 1e-4 * np.abs(want).max()
+
+
+def test_weights_stream_into_external_data(tmp_path):
+    weights = make_weights(GEOMETRY, "q4_1")
+    tokens = np.random.default_rng(9).integers(0, GEOMETRY.vocab_size, 12).tolist()
+    in_memory = build_decoder(GEOMETRY, weights)
+    streamed = build_decoder(GEOMETRY, weights, external_data=tmp_path / "model.onnx.data")
+    data_bytes = (tmp_path / "model.onnx.data").stat().st_size
+    assert streamed.ByteSize() < 100_000 < data_bytes
+    assert data_bytes > 0.9 * (in_memory.ByteSize() - streamed.ByteSize())
+    save_decoder(streamed, tmp_path)
+    assert (tmp_path / "model.onnx.data").stat().st_size == data_bytes   # not rewritten
+    sess = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(_logits(sess, tokens), _logits(_session(in_memory), tokens))

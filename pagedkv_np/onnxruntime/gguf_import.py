@@ -257,8 +257,10 @@ def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
     graph_geometry, tensors = read_weights(f, arch, c, opts.weights,
                                        kept_blocks(opts.weights, opts.accuracy_level))
     del f
+    # weights stream into model.onnx.data as the graph takes them: held once, not thrice
     model = build_decoder(graph_geometry, tensors, family=opts.family,
-                          accuracy_level=opts.accuracy_level, name=f"{arch}_{opts.weights}")
+                          accuracy_level=opts.accuracy_level, name=f"{arch}_{opts.weights}",
+                          external_data=folder / "model.onnx.data")
     del tensors
     save_decoder(model, folder)
     del model

@@ -36,6 +36,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..errors import ConfigError
 from .geometry import DecoderGeometry, Linear, check_weights, weight_names
 from .ggml_blocks import BLOCK_SIZE, BlockQuantized
+from .onnx_data import ExternalData, save_decoder
 
 __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
            "weight_names", "build_decoder", "build_linear", "reference_logits", "rope_tables",
@@ -124,10 +125,11 @@ def reference_logits(geometry: DecoderGeometry, weights: dict[str, Linear],
 class _Graph:
     """Collects nodes and initializers with unique names."""
 
-    def __init__(self, accuracy_level: int) -> None:
+    def __init__(self, accuracy_level: int, data: ExternalData | None = None) -> None:
         self.nodes: list = []
         self.initializers: list = []
         self.accuracy_level = accuracy_level
+        self.data = data
         self.blocksums: dict[str, str] = {}
         self._count = 0
 
@@ -136,12 +138,12 @@ class _Graph:
         return f"{hint}_{self._count}"
 
     def const(self, value: Any, hint: str = "c", dtype: Any = None) -> str:
-        name = self.name(hint)
-        self.initializers.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-        return name
+        return self.init(np.asarray(value, dtype=dtype), self.name(hint))
 
     def init(self, value: np.ndarray, name: str) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        value = np.ascontiguousarray(value)
+        self.initializers.append(numpy_helper.from_array(value, name) if self.data is None
+                                 else self.data.tensor(value, name))
         return name
 
     def op(self, op_type: str, inputs: list[str], hint: str | None = None, *,
@@ -344,7 +346,8 @@ def _lm_head(layers: _Layers, x: str) -> None:
 
 def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
                   family: str = "gqa", position_ids: bool = True, accuracy_level: int = 0,
-                  name: str = "pagedkv_decoder") -> "onnx.ModelProto":
+                  name: str = "pagedkv_decoder",
+                  external_data: str | os.PathLike | None = None) -> "onnx.ModelProto":
     """Build the decoder as an ONNX model.
 
     Parameters
@@ -363,6 +366,11 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
         values in float32; 4 quantizes activations to int8 (faster, inexact).
     name : str
         Of the ONNX graph.
+    external_data : str or path, optional
+        A file to write the weights into while the graph is built (see
+        :mod:`pagedkv_np.onnxruntime.onnx_data`): the model then holds only
+        references to it, and must be saved in the same folder
+        (:func:`save_decoder`). Without it the weights are inside the model.
 
     Returns
     -------
@@ -385,7 +393,17 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
         raise ConfigError(f"Invalid accuracy_level: expected 0..4, got {accuracy_level!r}")
     c = geometry
     check_weights(c, weights)
-    g = _Graph(accuracy_level)
+    data = None if external_data is None else ExternalData(external_data)
+    try:
+        return _decoder_model(c, weights, family, position_ids, name,
+                              _Graph(accuracy_level, data))
+    finally:
+        if data is not None:
+            data.close()
+
+
+def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
+                   position_ids: bool, name: str, g: _Graph) -> "onnx.ModelProto":
     layers = _Layers(g, c, weights)
     embed = layers.vec("embed")
     x = g.op("Gather", [embed, "input_ids"], axis=0)
@@ -441,15 +459,3 @@ def build_linear(weight: Linear, *, accuracy_level: int = 0) -> "onnx.ModelProto
                                                     helper.make_opsetid("com.microsoft", 1)])
     model.ir_version = 8
     return model
-
-
-def save_decoder(model: "onnx.ModelProto", folder: str | os.PathLike,
-                 filename: str = "model.onnx") -> None:
-    """Write ``folder/filename`` with its weights in ``folder/filename + '.data'``.
-
-    External data keeps the graph file small and lets models past protobuf's
-    2 GiB limit be saved; tensors under 1 KiB stay inline.
-    """
-    path = os.path.join(os.fspath(folder), filename)
-    onnx.save_model(model, path, save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=filename + ".data", size_threshold=1024)
