@@ -85,7 +85,7 @@ __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
 WEIGHT_MODES = ("q4", "float32", "float16")
 FAMILIES = ("gqa", "optimum")
 #: bump when the folder's contents for the same file change
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 _digests: dict[tuple[str, int, int], str] = {}
 _digest_lock = threading.Lock()
