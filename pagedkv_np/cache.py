@@ -37,8 +37,9 @@ import numpy as np
 from .backends import Backend, get_backend
 from .backends.base import _check_layer
 from .errors import (AllocationError, ConfigError, DTypeError, OutOfPages, PagedKVError,
-                     SequenceError, ShapeError, StalePlanError)
-from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype
+                     PageIdError, SequenceError, ShapeError, StalePlanError)
+from .layout import (OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype,
+                     shown)
 from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
@@ -216,6 +217,14 @@ class PagedKVCache:
         model_id: str | None = None, tier_options: dict | None = None,
         _hash_fn=None,
     ) -> None:
+        for flag, name in ((enable_prefix_caching, "enable_prefix_caching"),
+                           (partial_page_reuse, "partial_page_reuse")):
+            if not isinstance(flag, (bool, np.bool_, int)):
+                raise DTypeError(f"Invalid {name}: expected a bool, got {type(flag).__name__}")
+        if backend is not None and not isinstance(backend, (str, Backend)):
+            # ConfigError, as get_backend answers an unknown name
+            raise ConfigError(f"Invalid backend: expected a name or a Backend, "
+                             f"got {type(backend).__name__}")
         self.backend = get_backend(backend)
         self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
                              num_pages=num_pages, memory_bytes=memory_bytes,
@@ -503,7 +512,7 @@ class PagedKVCache:
             # the backend's kernel can be called directly.
             store, backend = self.store, self.backend
             if type(layer) is not int or not 0 <= layer < store.num_layers:
-                layer = _check_layer(layer, store.num_layers)
+                layer = self._layer_id(layer)
             if store.quant is not None:
                 backend.write_quantized(store.k, store.v, store.k_scale, store.v_scale, layer,
                                         plan.slot_mapping, k, v, layout=store.layout,
@@ -545,6 +554,7 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
+            layer = self._layer_id(layer)
             if out is None:
                 self._check_gather_size(plan, num_positions)
             try:
@@ -561,13 +571,27 @@ class PagedKVCache:
         backend checks the type and lower bound of ``num_positions``)."""
         if not isinstance(num_positions, numbers.Integral) or isinstance(num_positions, bool):
             return
+        max_len = int(plan.seq_lens.max()) if plan.num_seqs else 0
+        if int(num_positions) < max_len:
+            raise ShapeError(f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
+                             f"got {shown(num_positions)}")
         store = self.store
         nbytes = (2 * plan.num_seqs * int(num_positions) * store.num_kv_heads * store.head_dim
                   * 4)   # at most 4 bytes an element, whatever the output dtype
         if nbytes > _MAX_ARRAY_BYTES:
             raise ConfigError(
-                f"Invalid num_positions: {num_positions} positions of {plan.num_seqs} "
-                f"sequence(s) need {nbytes} bytes for K and V, more than an array can hold")
+                f"Invalid num_positions: {shown(num_positions)} positions of {plan.num_seqs} "
+                f"sequence(s) need {shown(nbytes)} bytes for K and V, more than an array "
+                "can hold")
+
+    def _layer_id(self, layer: Any) -> int:
+        """``layer`` as an index of the store's layers, else a typed error."""
+        num_layers = self.store.num_layers
+        if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) \
+                and not 0 <= int(layer) < num_layers:
+            raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, "
+                              f"got {shown(layer)}")
+        return _check_layer(layer, num_layers)
 
     def _gather(self, layer: Any, plan: Plan, layout: Any, out: Any, num_positions: Any,
                 dtype: Any) -> tuple[Any, Any]:

@@ -101,14 +101,14 @@ def resolve_dtype(dtype: Any, name: str = "dtype") -> np.dtype:
     else:
         try:
             dt = np.dtype(dtype)
-        except TypeError:
+        except (TypeError, ValueError):   # ValueError: an int too long to print
             dt = None
         if dt is not None:
             for known in SUPPORTED_DTYPES.values():
                 if dt == known:
                     return known
     raise DTypeError(
-        f"Invalid {name}: expected one of {sorted(SUPPORTED_DTYPES)}, got {dtype!r}"
+        f"Invalid {name}: expected one of {sorted(SUPPORTED_DTYPES)}, got {shown(dtype)}"
     )
 
 

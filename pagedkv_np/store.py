@@ -17,10 +17,14 @@ import numpy as np
 
 from .backends.base import Backend
 from .errors import AllocationError, ConfigError, DTypeError
-from .layout import StoreLayout, check_positive_int, resolve_dtype, store_shape
+from .layout import StoreLayout, check_positive_int, resolve_dtype, shown, store_shape
 from .quant import resolve_quant
 
 __all__ = ["KVStore"]
+
+
+def _dims(shape: tuple) -> str:
+    return "[" + ", ".join(shown(n) for n in shape) + "]"
 
 
 class KVStore:
@@ -84,16 +88,16 @@ class KVStore:
                                  self.page_size, self.num_kv_heads, self.head_dim)
         nbytes = 2 * self.dtype.itemsize * int(np.prod(self.shape, dtype=object))
         if nbytes > sys.maxsize:
-            raise ConfigError(f"Invalid num_pages: a store of {list(self.shape)} needs {nbytes} "
-                              "bytes for K and V, more than an array can hold")
+            raise ConfigError(f"Invalid num_pages: a store of shape {_dims(self.shape)} needs "
+                              f"{shown(nbytes)} bytes for K and V, more than an array can hold")
         try:
             self.k = backend.zeros(self.shape, self.dtype)
             self.v = backend.zeros(self.shape, self.dtype)
         except MemoryError as exc:
             self.k = self.v = None   # the first one, if made, goes now
             raise AllocationError(
-                f"Invalid num_pages: a store of {list(self.shape)} ({nbytes} bytes for K and "
-                f"V) could not be allocated ({exc})") from None
+                f"Invalid num_pages: a store of shape {_dims(self.shape)} ({nbytes} bytes for "
+                f"K and V) could not be allocated ({exc})") from None
         self.k_scale: Any = None
         self.v_scale: Any = None
         if self.quant is not None:  # the page geometry of k and v, a scale per group

@@ -169,14 +169,6 @@ class OrtDecoder(TextGenerationMixin):
         self.write_interval = check_positive_int(write_interval, "write_interval")
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
-        for flag, name in ((enable_prefix_caching, "enable_prefix_caching"),
-                           (partial_page_reuse, "partial_page_reuse")):
-            if not isinstance(flag, (bool, np.bool_, int)):
-                raise DTypeError(f"Invalid {name}: expected a bool, got {type(flag).__name__}")
-        for value, name in ((backend, "backend"), (layout, "layout"), (family, "family")):
-            if not isinstance(value, str) and not (name == "backend" and value is None) \
-                    and not hasattr(value, "name"):   # a Backend or a StoreLayout
-                raise DTypeError(f"Invalid {name}: expected a str, got {type(value).__name__}")
         self.eos_token_ids = self._parse_eos(eos_token_id)
         source, proto = load_model(model)
         facts = graph_facts(proto)
