@@ -609,3 +609,17 @@ def test_a_huge_int_salt_is_a_salt_of_its_own():
     assert again.num_cached_tokens == 5        # its own pages, the others' not mixed in
     other = cache.add_sequence([1, 2, 3, 4, 5, 6], salt=10**5000 + 2)
     assert other.num_cached_tokens == 0
+
+
+def test_the_engine_fuzz_script_runs_clean(capsys):
+    """scripts/fuzz_engine.py (run by CI for a bounded time) on a short budget."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "fuzz_engine.py"
+    spec = importlib.util.spec_from_file_location("fuzz_engine", path)
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    assert fuzz.main(["--seconds", "2", "--seed", "7"]) == 0
+    summary = capsys.readouterr().out
+    assert "fuzz_engine: " in summary and " 0 wrong tokens, 0 leftover pages" in summary
+    assert batching.sample is sample          # the sampler is restored
