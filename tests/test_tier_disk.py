@@ -78,6 +78,7 @@ def disk_stats(dec):
 
 DRIVER = textwrap.dedent("""
     import json, sys, resource, signal
+    import numpy as np
     from pagedkv_np.onnxruntime import OrtDecoder
     args = json.loads(sys.argv[1])
     if args.get("fsize"):          # a disk that fills up: writes past this size fail
@@ -87,7 +88,11 @@ DRIVER = textwrap.dedent("""
                      max_batch_size=4, disk_cache=args["dir"], **args.get("kw", {}))
     outs = []
     for round_ in range(args.get("rounds", 1)):
-        for p in args["prompts"]:
+        prompts = args["prompts"]
+        if args.get("fresh"):      # new prompts every round: new pages to write
+            rng = np.random.default_rng(round_)
+            prompts = [rng.integers(0, 256, 30).tolist() for _ in range(4)]
+        for p in prompts:
             outs.append(dec.generate([p], args["new"])[0])
             if args.get("announce"):
                 print("step", flush=True)
@@ -236,7 +241,7 @@ def test_a_full_disk_fails_writes_not_requests(model_path, tmp_path):
 
 def test_a_writer_killed_mid_write_leaves_nothing_wrong(model_path, tmp_path):
     args = dict(model=model_path, dir=str(tmp_path), page=PAGE, new=NEW,
-                prompts=OTHERS + PROMPTS, rounds=50, announce=True)
+                prompts=[], rounds=10_000, fresh=True)
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(args)], cwd=ROOT,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -245,7 +250,11 @@ def test_a_writer_killed_mid_write_leaves_nothing_wrong(model_path, tmp_path):
         while len(entries(tmp_path)) < 12 and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stderr.read()[-2000:]
             time.sleep(0.05)
-        assert len(entries(tmp_path)) >= 12
+        seen = len(entries(tmp_path))
+        assert seen >= 12
+        while len(entries(tmp_path)) == seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert len(entries(tmp_path)) > seen          # still writing: kill it now
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -263,9 +272,10 @@ def test_a_writer_killed_mid_write_leaves_nothing_wrong(model_path, tmp_path):
             pass
     assert valid == len(entries(tmp_path)) - 1        # only the one cut by hand is bad
     dec = decoder(model_path, tmp_path)
-    prompts = OTHERS + PROMPTS
+    rng = np.random.default_rng(0)      # the killed writer's first round
+    prompts = [rng.integers(0, 256, 30).tolist() for _ in range(4)] + PROMPTS
     assert dec.generate(prompts, NEW) == [reference(model_path, p) for p in prompts]
-    assert disk_stats(dec)["hits"] >= 1
+    assert disk_stats(dec)["hits"] >= 3
 
 
 def test_two_processes_writing_the_same_pages_at_once(model_path, tmp_path):
@@ -289,3 +299,24 @@ def test_two_processes_writing_the_same_pages_at_once(model_path, tmp_path):
     dec = decoder(model_path, tmp_path)
     assert dec.generate(PROMPTS, NEW) == want[:3]
     assert disk_stats(dec)["hits"] >= 5 and disk_stats(dec)["rejected"] == 0
+
+
+BAD = [
+    (dict(disk_cache=3), "DTypeError", "disk_cache"),
+    (dict(disk_cache="{file}/sub"), "ConfigError", "disk_cache"),
+    (dict(disk_cache="{dir}", disk_cache_bytes=-1), "ConfigError", "disk_cache_bytes"),
+    (dict(disk_cache_bytes=1 << 20), "ConfigError", "disk_cache_bytes"),
+    (dict(redis_url="localhost:6379", hash_secret=b"s"), "ConfigError", "redis_url"),
+    (dict(redis_url="redis://127.0.0.1:1/0"), "ConfigError", "hash_secret"),
+    (dict(disk_cache="{dir}", tier_options={"queue_size": 0}), "ConfigError", "queue_size"),
+]
+
+
+@pytest.mark.parametrize("kw,err,match", BAD)
+def test_bad_tier_arguments_of_the_decoder(model_path, tmp_path, kw, err, match):
+    import pagedkv_np.errors as errors
+    (tmp_path / "f").write_bytes(b"x")
+    kw = {k: v.format(file=tmp_path / "f", dir=tmp_path / "d") if isinstance(v, str) else v
+          for k, v in kw.items()}
+    with pytest.raises(getattr(errors, err), match=match):
+        decoder(model_path, **kw)

@@ -117,7 +117,7 @@ class Tier(abc.ABC):
         """The entry of each key, None where there is none (one round trip)."""
 
     @abc.abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
         """Store ``(key, entry)`` pairs; returns which were stored."""
 
     def discard(self, keys: Sequence[bytes]) -> None:
@@ -187,8 +187,9 @@ def _field(b: bytes) -> bytes:
 
 
 def encode_page(key: bytes, digest: bytes, parent_digest: bytes, tokens: bytes, descr: str,
-                arrays: Sequence[np.ndarray]) -> bytes:
-    """Serialize one page (``arrays`` C-contiguous, in :attr:`PageFormat.parts` order)."""
+                arrays: Sequence[np.ndarray]) -> memoryview:
+    """Serialize one page (``arrays`` in :attr:`PageFormat.parts` order, any
+    strides)."""
     meta = b"".join(_field(f) for f in (key, digest, parent_digest, tokens,
                                          descr.encode("ascii")))
     payload_len = sum(a.nbytes for a in arrays)
@@ -197,13 +198,12 @@ def encode_page(key: bytes, digest: bytes, parent_digest: bytes, tokens: bytes, 
     offset = _HEAD.size
     buf[offset:offset + len(meta)] = meta
     offset += len(meta)
-    for a in arrays:
-        n = a.nbytes
-        dst = np.frombuffer(buf, dtype=np.uint8, count=n, offset=offset)
-        dst[:] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        offset += n
+    for a in arrays:      # one (strided) copy of each array, straight into the entry
+        dst = np.frombuffer(buf, dtype=a.dtype, count=a.size, offset=offset)
+        dst.reshape(a.shape)[...] = a
+        offset += a.nbytes
     _CRC.pack_into(buf, offset, zlib.crc32(memoryview(buf)[:offset]))
-    return bytes(buf)
+    return memoryview(buf)   # no copy into bytes; files and the redis client take it
 
 
 def decode_page(blob: Any) -> PageRecord:

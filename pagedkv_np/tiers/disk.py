@@ -104,7 +104,7 @@ class DiskTier(Tier):
                 pass
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
         stored = []
         tag = f"{os.getpid()}.{threading.get_ident()}"
         for key, blob in items:

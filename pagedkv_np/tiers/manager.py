@@ -53,12 +53,13 @@ class _Pending:
     parent_digest: bytes
     tokens: bytes
     arrays: list | None = None
-    blob: bytes | None = None       # an entry already encoded (a promotion)
+    blob: "bytes | memoryview | None" = None    # an entry already encoded (a promotion)
     targets: tuple = ()             # tier indexes; () = every tier
 
 
 def _to_host(a: Any) -> np.ndarray:
-    return np.ascontiguousarray(a.get() if hasattr(a, "get") else a)
+    """A host copy of a store view (a device array's ``get``, else a copy)."""
+    return a.get() if hasattr(a, "get") else np.array(a)
 
 
 class TierManager:
@@ -126,9 +127,12 @@ class TierManager:
                 self._unsent[item.page_id] = item
 
     def _copy(self, page_id: int) -> list[np.ndarray]:
+        return [_to_host(a) for a in self._views(page_id)]
+
+    def _views(self, page_id: int) -> list:
         s = self.store
         arrays = [s.k, s.v] if s.k_scale is None else [s.k, s.v, s.k_scale, s.v_scale]
-        return [_to_host(a[:, page_id]) for a in arrays]
+        return [a[:, page_id] for a in arrays]
 
     def evict_hook(self, then: Any) -> Any:
         """The pool's eviction callback: save what the tiers still need of
@@ -146,21 +150,21 @@ class TierManager:
 
     def _write(self, batch: list[_Pending]) -> None:
         """In the writer thread: copy, encode and put a batch of pages."""
-        per_tier: list[list[tuple[bytes, bytes]]] = [[] for _ in self.tiers]
+        per_tier: list[list[tuple[bytes, bytes | memoryview]]] = [[] for _ in self.tiers]
         for item in batch:
-            if item.arrays is None and item.blob is None:
+            blob = item.blob
+            if blob is None and item.arrays is None:
                 with self._lock:
                     if self._pending.get(item.page_id) is not item:
                         continue      # evicted and copied, or gone: nothing to do here
                     del self._pending[item.page_id]
                     if self.index.identity(item.page_id) != item.identity:
                         continue
-                    item.arrays = self._copy(item.page_id)
-            blob = item.blob
-            if blob is None:
-                assert item.arrays is not None
-                blob = encode_page(item.key, item.digest, item.parent_digest, item.tokens,
-                                   self.format.descr, item.arrays)
+                    # encoded from the store itself: one copy of the page
+                    blob = self._encode(item, [_to_host(a) if hasattr(a, "get") else a
+                                               for a in self._views(item.page_id)])
+            elif blob is None:
+                blob = self._encode(item, item.arrays)  # type: ignore[arg-type]
             for i in range(len(self.tiers)):
                 if not item.targets or i in item.targets:
                     per_tier[i].append((item.key, blob))
@@ -180,6 +184,10 @@ class TierManager:
             tier.stats.add(num_writes=1, write_seconds=time.perf_counter() - t0,
                            pages_written=len(ok), bytes_written=sum(ok),
                            drops=len(items) - len(ok))
+
+    def _encode(self, item: _Pending, arrays: list) -> memoryview:
+        return encode_page(item.key, item.digest, item.parent_digest, item.tokens,
+                           self.format.descr, arrays)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait until every queued page is written; False on timeout."""

@@ -148,7 +148,7 @@ class RedisTier(Tier):
         names = self._names(keys)
         return list(self._call(lambda p: [p.get(n) for n in names]))
 
-    def put(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
         names = self._names([k for k, _ in items])
         ttl = self.ttl
         replies = self._call(lambda p: [p.set(n, blob, ex=ttl)
