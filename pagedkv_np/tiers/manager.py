@@ -57,11 +57,6 @@ class _Pending:
     targets: tuple = ()             # tier indexes; () = every tier
 
 
-def _to_host(a: Any) -> np.ndarray:
-    """A host copy of a store view (a device array's ``get``, else a copy)."""
-    return a.get() if hasattr(a, "get") else np.array(a)
-
-
 class TierManager:
     """Tiers below the page pool of one cache.
 
@@ -127,12 +122,15 @@ class TierManager:
                 self._unsent[item.page_id] = item
 
     def _copy(self, page_id: int) -> list[np.ndarray]:
-        return [_to_host(a) for a in self._views(page_id)]
+        """Host copies of the page's arrays (it is about to be reused)."""
+        return [np.array(a) for a in self._views(page_id)]
 
-    def _views(self, page_id: int) -> list:
+    def _views(self, page_id: int) -> list[np.ndarray]:
+        """The page's arrays on the host: views of a host store, copies of a
+        device one."""
         s = self.store
         arrays = [s.k, s.v] if s.k_scale is None else [s.k, s.v, s.k_scale, s.v_scale]
-        return [a[:, page_id] for a in arrays]
+        return [s.backend.to_numpy(a[:, page_id]) for a in arrays]
 
     def evict_hook(self, then: Any) -> Any:
         """The pool's eviction callback: save what the tiers still need of
@@ -155,15 +153,16 @@ class TierManager:
             blob = item.blob
             if blob is None and item.arrays is None:
                 with self._lock:
-                    if self._pending.get(item.page_id) is not item:
-                        continue      # evicted and copied, or gone: nothing to do here
-                    del self._pending[item.page_id]
-                    if self.index.identity(item.page_id) != item.identity:
-                        continue
-                    # encoded from the store itself: one copy of the page
-                    blob = self._encode(item, [_to_host(a) if hasattr(a, "get") else a
-                                               for a in self._views(item.page_id)])
-            elif blob is None:
+                    # (an eviction since the batch was taken has copied the page)
+                    if item.arrays is None:
+                        if self._pending.get(item.page_id) is not item:
+                            continue      # gone from the index: nothing to write
+                        del self._pending[item.page_id]
+                        if self.index.identity(item.page_id) != item.identity:
+                            continue
+                        # encoded from the store itself: one copy of the page
+                        blob = self._encode(item, self._views(item.page_id))
+            if blob is None:
                 blob = self._encode(item, item.arrays)  # type: ignore[arg-type]
             for i in range(len(self.tiers)):
                 if not item.targets or i in item.targets:
@@ -316,7 +315,7 @@ class TierManager:
         s = self.store
         targets = [s.k, s.v] if s.k_scale is None else [s.k, s.v, s.k_scale, s.v_scale]
         for dst, src in zip(targets, arrays):
-            dst[:, page_id] = src
+            dst[:, page_id] = s.backend.asarray(src)
 
     # --------------------------------------------------------------- stats
     @property
