@@ -13,22 +13,26 @@ with int8 activations):
   the ChatML prompt "What is the capital of France?", prefill excluded; all
   modes are loaded in one process and their runs take turns, round after
   round, so that they share the machine's load; the median over rounds;
+- beside it, the process CPU ms per decoded token with one intra-op thread
+  (a busy machine moves it less than wall time);
 - how many of each mode's greedy tokens equal float32's before the first
   that differs (float32 is the baseline of every column).
 
 Run: ``.venv/bin/python scripts/bench_gguf_modes.py [--rounds 5] [--tokens 64]``.
 
-Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, default
-threads, other jobs running beside it: the min/max columns show how much
-the load moved the rounds)::
+Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, load average
+10-13 from other jobs: the min/max columns show how much the load moved the
+wall-clock rounds; the CPU column moves less)::
 
-    mode      disk MiB import s  import   serve   tok/s    min    max  first tokens
-                                RSS MiB RSS MiB                        equal to float32's
-    float32        519      3.9    2164    1064    23.2   13.0   73.0  64/64
-    float16        262      3.4    1131    1091    28.6   14.4   76.3  64/64
-    q4             191      3.3     832     623    41.4   21.3  126.1  64/64
-    q4 acc4        222      3.3     957     604    61.5   29.9  173.5  30/64
+    mode      disk MiB import s  import   serve   tok/s    min    max  CPU ms  first tokens
+                                RSS MiB RSS MiB                        /token  equal to float32's
+    float32        519      7.5     770    1064    10.4    9.5   13.1   17.22  64/64
+    float16        262      6.8     511    1129    11.9   11.5   15.7   17.44  64/64
+    q4             191      4.3     433     623    21.9   16.5   30.8   12.01  64/64
+    q4 acc4        222      6.8     448     604    25.4   21.7   48.2    8.19  30/64
 
+On a quieter run of the same machine the best rounds reached 73 (float32),
+126 (q4) and 174 (q4 acc4) tokens/s.
 "serve RSS" is the peak RSS of a process that loads the folder into an
 OrtDecoder and decodes 64 tokens.
 """
@@ -106,16 +110,17 @@ def child_serve(folder: str, tokens: int) -> None:
     print(json.dumps({"rss": psutil.Process().memory_info().rss}))
 
 
-def decode_rate(dec, prompt: list[int], tokens: int) -> tuple[float, list[int]]:
-    """Tokens/s of the decode steps after the prefill step, and the tokens."""
+def decode_rate(dec, prompt: list[int], tokens: int) -> tuple[float, float, list[int]]:
+    """Tokens/s and process CPU ms per token of the decode steps after the
+    prefill step, and the tokens."""
     rid = dec.add_request(prompt, max_new_tokens=tokens)
     dec.step()                                  # prefill + first token
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     while not dec.is_finished(rid):
         dec.step()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     out = dec.pop_output(rid)
-    return (len(out) - 1) / seconds, out
+    return (len(out) - 1) / seconds, 1e3 * cpu / (len(out) - 1), out
 
 
 def main() -> int:
@@ -132,6 +137,7 @@ def main() -> int:
         child_serve(args.child_serve, args.tokens)
         return 0
 
+    import onnxruntime as ort
     import tokenizers
 
     from pagedkv_np.onnxruntime import OrtDecoder
@@ -151,17 +157,26 @@ def main() -> int:
 
         tok = tokenizers.Tokenizer.from_file(str(rows["q4"]["folder"] / "tokenizer.json"))
         prompt = tok.encode(PROMPT).ids
+        # default threads (wall tokens/s), and one intra-op thread, whose CPU time
+        # per token a busy machine distorts less than wall time
+        one = ort.SessionOptions()
+        one.intra_op_num_threads = 1
         decoders = {name: OrtDecoder(row["folder"] / "model.onnx") for name, row in rows.items()}
+        single = {name: OrtDecoder(row["folder"] / "model.onnx", session_options=one)
+                  for name, row in rows.items()}
         rates: dict[str, list[float]] = {name: [] for name in rows}
+        cpu_ms: dict[str, list[float]] = {name: [] for name in rows}
         outputs: dict[str, list[int]] = {}
         changed: set[str] = set()     # modes whose tokens differ from run to run
         for name, dec in decoders.items():          # warm-up: first-run allocations
-            outputs[name] = decode_rate(dec, prompt, args.tokens)[1]
+            outputs[name] = decode_rate(dec, prompt, args.tokens)[2]
+            decode_rate(single[name], prompt, args.tokens)
         for r in range(args.rounds):
             order = list(decoders) if r % 2 == 0 else list(reversed(decoders))
             for name in order:
-                rate, out = decode_rate(decoders[name], prompt, args.tokens)
+                rate, _, out = decode_rate(decoders[name], prompt, args.tokens)
                 rates[name].append(rate)
+                cpu_ms[name].append(decode_rate(single[name], prompt, args.tokens)[1])
                 if out != outputs[name]:
                     changed.add(name)
 
@@ -169,15 +184,17 @@ def main() -> int:
         print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, batch 1, {args.tokens} greedy tokens, "
               f"median of {args.rounds} interleaved rounds")
         print(f"{'mode':<9}{'disk MiB':>9}{'import s':>9}{'import':>8}{'serve':>8}"
-              f"{'tok/s':>8}{'min':>7}{'max':>7}  first tokens equal to float32's")
-        print(f"{'':<9}{'':>9}{'':>9}{'RSS MiB':>8}{'RSS MiB':>8}")
+              f"{'tok/s':>8}{'min':>7}{'max':>7}{'CPU ms':>8}  first tokens")
+        print(f"{'':<9}{'':>9}{'':>9}{'RSS MiB':>8}{'RSS MiB':>8}{'':>22}{'/token':>8}"
+              "  equal to float32's")
         for name, row in rows.items():
             imp, irss = f"{row['import_s']:.1f}", f"{row['import_rss'] / mib:.0f}"
             same = next((i for i, (a, b) in enumerate(zip(outputs[name], outputs["float32"]))
                          if a != b), min(len(outputs[name]), len(outputs["float32"])))
             print(f"{name:<9}{row['size'] / mib:>9.0f}{imp:>9}{irss:>8}"
                   f"{row['serve_peak'] / mib:>8.0f}{statistics.median(rates[name]):>8.1f}"
-                  f"{min(rates[name]):>7.1f}{max(rates[name]):>7.1f}  "
+                  f"{min(rates[name]):>7.1f}{max(rates[name]):>7.1f}"
+                  f"{statistics.median(cpu_ms[name]):>8.2f}  "
                   f"{same}/{len(outputs['float32'])}"
                   + ("  (differ between runs)" if name in changed else ""))
         print(f"\nq4 answer: {tok.decode(outputs['q4'])!r}")

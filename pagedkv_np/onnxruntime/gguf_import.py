@@ -34,14 +34,15 @@ embedding's blocks when the mode keeps that type's blocks.
 
 Why ``"q4"`` (with ``accuracy_level=0``) is the default: on
 SmolLM2-135M-Instruct's Q4_1 file (``scripts/bench_gguf_modes.py``, batch 1,
-this 2-core CPU shared with other jobs) it decoded 1.8x as fast as float32
-(median 41 vs 23 tokens/s; best rounds 126 vs 73), from 37% of float32's
-disk space (191 vs 519 MiB) and 59% of its memory (623 vs 1064 MiB), with
-the very tokens float32 produces: the file's exact values, computed in
-float32. ``"float16"`` halves the disk size only (the session holds float32
-weights). ``accuracy_level=4`` decoded another 1.5x faster (median 62, best
-174 tokens/s), but its int8 activations changed the greedy answer after 30
-tokens, so it is an option, not the default.
+this 2-core CPU shared with other jobs) a decoded token cost 12.0 ms of CPU
+against float32's 17.2 (one thread; 1.4x; wall-clock medians 21.9 vs 10.4
+tokens/s under the load), from 37% of float32's disk space (191 vs 519 MiB)
+and 59% of its memory (623 vs 1064 MiB), with the very tokens float32
+produces: the file's exact values, computed in float32. ``"float16"``
+halves the disk size only (the session holds float32 weights, 17.4 ms per
+token). ``accuracy_level=4`` cost 8.2 ms per token (1.5x faster again), but
+its int8 activations changed the greedy answer after 30 tokens, so it is an
+option, not the default.
 
 Results are cached under ``$PAGEDKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pagedkv_np``, else ``~/.cache/pagedkv_np``, in a folder
