@@ -10,8 +10,9 @@ http
     ``pagedkv serve`` in a subprocess on 127.0.0.1, the clients streaming
     over HTTP (server-sent events, ``httpx.AsyncClient``).
 in-process
-    the same requests through an ``OrtDecoder`` in this process
-    (``add_request`` all, ``step`` until done): the engine without HTTP.
+    the same requests through an ``OrtDecoder`` (``add_request`` all,
+    ``step`` until done): the engine without HTTP, in a worker process
+    started, loaded and warmed up as the servers are.
 http, no prefix reuse
     a second server started with ``--no-prefix-caching``.
 
@@ -214,6 +215,61 @@ def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
     return {"results": results, "wall": wall, "server_cpu": cpu, "client_cpu": 0.0}
 
 
+class EngineWorker:
+    """The in-process workload in a process of its own, started, loaded and
+    warmed up as the servers are (so that the comparison differs only in HTTP)."""
+
+    def __init__(self, args, questions: list[str]) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker",
+               "--num-pages", str(args.num_pages), "--max-batch-size", str(args.max_batch_size),
+               *(["--model", args.model] if args.model else [])]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ), text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._send({"questions": questions})
+        if self._receive() != "ready":
+            raise SystemExit("the engine worker did not start")
+
+    def _send(self, obj) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self):
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"the engine worker exited with status {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self, max_tokens: int, salt: str) -> dict:
+        self._send({"max_tokens": max_tokens, "salt": salt})
+        return self._receive()
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(120)
+
+
+def worker(args) -> int:
+    """``--worker``: run workloads asked for on stdin, answer on stdout (JSON lines)."""
+    dec = OrtDecoder.from_pretrained(args.model, num_pages=args.num_pages,
+                                     max_batch_size=args.max_batch_size)
+    out = sys.stdout
+    sys.stdout = sys.stderr     # nothing else may write to the answer channel
+    questions = json.loads(sys.stdin.readline())["questions"]
+    prompts = [dec.encode_chat(messages(q)) for q in questions]
+    run_in_process(dec, prompts[:2], 4, "warm-up")   # as the servers are warmed up
+    out.write(json.dumps("ready") + "\n")
+    out.flush()
+    for line in sys.stdin:
+        ask = json.loads(line)
+        out.write(json.dumps(run_in_process(dec, prompts, ask["max_tokens"], ask["salt"]))
+                  + "\n")
+        out.flush()
+    return 0
+
+
 def summarize(run: dict, wants: list[str]) -> dict:
     results = run["results"]
     errors = [r["error"] for r in results if "error" in r]
@@ -240,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-pages", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="4 clients, 8 tokens, 1 round")
     p.add_argument("--json", default=None, help="write the figures to this file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return worker(args)
     if args.quick:
         args.clients, args.max_tokens, args.rounds = 4, 8, 1
     questions = [QUESTIONS[i % len(QUESTIONS)] + ("" if i < len(QUESTIONS) else f" ({i})")
@@ -257,8 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     wants = [dec.text.decode(dec.generate([ids], max_new_tokens=args.max_tokens,
                                           salt="reference")[0]) for ids in prompts]
     print(f"references: each request alone in-process ({time.perf_counter() - t:.1f} s)")
+    del dec
     with_reuse = Server(args)
     without_reuse = Server(args, "--no-prefix-caching")
+    engine = EngineWorker(args, questions)
     rows: dict[str, list[dict]] = {"http": [], "in-process": [], "http, no prefix reuse": []}
     try:
         for server in (with_reuse, without_reuse):   # first calls compile and allocate
@@ -268,8 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             salt = f"round-{r}-{time.time_ns()}"
             rows["http"].append(summarize(run_http(with_reuse, questions, args.max_tokens, salt),
                                           wants))
-            rows["in-process"].append(summarize(run_in_process(dec, prompts, args.max_tokens,
-                                                               salt), wants))
+            rows["in-process"].append(summarize(engine.run(args.max_tokens, salt), wants))
             rows["http, no prefix reuse"].append(summarize(run_http(
                 without_reuse, questions, args.max_tokens, salt), wants))
             print(f"round {r + 1}/{args.rounds}: " + ", ".join(
@@ -277,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         with_reuse.stop()
         without_reuse.stop()
+        engine.stop()
 
     med = {k: {f: statistics.median(x[f] for x in v) for f in
                ("ttft_p50", "ttft_p95", "tokens_per_s", "wall", "server_cpu_ms_per_token",

@@ -114,9 +114,12 @@ class Server:
     def http(self) -> "httpx.Client":
         return httpx.Client(base_url=self.base, timeout=120, trust_env=False)
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, default: float | None = None) -> float:
+        """A sample of /metrics (``default`` for a labelled series not yet there)."""
         text = httpx.get(self.base + "/metrics", timeout=30, trust_env=False).text
         m = re.search(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)
+        if m is None and default is not None:
+            return default
         assert m, f"no {name} in /metrics"
         return float(m.group(1))
 
@@ -336,6 +339,42 @@ class TestEndpoints:
                                                      "temperature": 0}).json()
         assert got["choices"][0]["text"] == ref.dec.text.decode(ref.tokens(ids, 12))
 
+    def test_equivalent_request_forms(self, server, ref):
+        """Text parts, a one-prompt batch, defaults the server documents."""
+        with server.http() as http:
+            def text(route, body):
+                r = http.post(route, json=dict(body, max_tokens=12, temperature=0)).json()
+                choice = r["choices"][0]
+                return choice["message"]["content"] if "message" in choice else choice["text"]
+
+            plain = text("/v1/chat/completions",
+                         {"messages": [{"role": "user", "content": "Hello world"}]})
+            parts = text("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "Hello"}, {"type": "text", "text": " world"}]}]})
+            assert parts == plain == ref.chat([{"role": "user", "content": "Hello world"}],
+                                              12)[0]
+            assert text("/v1/completions", {"prompt": ["Hello world"]}) == \
+                text("/v1/completions", {"prompt": "Hello world"})
+            # top_k=1 samples exactly the greedy token, whatever the temperature
+            assert text("/v1/completions", {"prompt": "Hello world", "top_k": 1,
+                                            "temperature": 1.5}) == \
+                text("/v1/completions", {"prompt": "Hello world"})
+
+    def test_metrics_count_requests(self, server):
+        def counts():
+            return (server.metric("pagedkv_time_to_first_token_seconds_count"),
+                    server.metric('pagedkv_requests_finished_total{finish_reason="length"}'),
+                    server.metric("pagedkv_generation_tokens_total"),
+                    server.metric('pagedkv_http_requests_total{route="/v1/completions",'
+                                  'status="200"}'))
+
+        with server.http() as http:   # make sure every series exists
+            http.post("/v1/completions", json={"prompt": [7, 8, 9], "max_tokens": 1})
+            before = counts()
+            r = http.post("/v1/completions", json={"prompt": [7, 8, 9, 10], "max_tokens": 1})
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        assert counts() == (before[0] + 1, before[1] + 1, before[2] + 1, before[3] + 1)
+
     def test_stop_strings(self, server, ref):
         messages = chat_messages("Hello world!")
         whole, _ = ref.chat(messages, 40)
@@ -468,6 +507,27 @@ class TestErrors:
         with server.http() as http:
             assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
 
+    @pytest.mark.parametrize("route, extra, param", [
+        ("/v1/chat/completions", {"n": 3}, "n"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"tools": [{"type": "function",
+                                             "function": {"name": "f"}}]}, "tools"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
+         "response_format"),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"suffix": "end"}, "suffix"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
+    ])
+    def test_unsupported_options(self, server, route, extra, param):
+        body = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route
+                else {"prompt": "hi"})
+        body.update(extra)
+        with server.http() as http:
+            assert_error(http.post(route, json=body), 400, param=param,
+                         code="unsupported_parameter")
+
     def test_malformed_json(self, server):
         with server.http() as http:
             for raw in (b"{bad", b"", b"\xff\xfe", b"[1, 2]", b"\"text\""):
@@ -488,8 +548,9 @@ class TestErrors:
             assert_error(http.post("/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": long_text}]}), 400,
                 param="messages", code="context_length_exceeded")
-            assert_error(http.post("/v1/completions", json={"prompt": [10 ** 6]}), 400,
-                         param="prompt")
+            for ids in ([10 ** 6], [10 ** 30], [-1]):
+                assert_error(http.post("/v1/completions", json={"prompt": ids}), 400,
+                             param="prompt")
             assert_error(http.post("/v1/completions", json={"prompt": ""}), 400,
                          param="prompt")
 
@@ -522,8 +583,7 @@ class TestDisconnect:
         assert len(ref.tokens(ids, max_tokens)) == max_tokens
         baseline = server.metric("pagedkv_pages_used")
         cancelled = 'pagedkv_requests_finished_total{finish_reason="cancelled"}'
-        before = server.metric(cancelled) if cancelled in httpx.get(
-            server.base + "/metrics", trust_env=False).text else 0.0
+        before = server.metric(cancelled, default=0.0)
         with server.http() as http:
             with http.stream("POST", "/v1/completions", json={
                     "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
@@ -541,6 +601,24 @@ class TestDisconnect:
         assert server.metric("pagedkv_pages_used") == baseline
         assert server.metric(cancelled) == before + 1
         assert server.metric("pagedkv_running_requests") == 0
+
+
+    def test_disconnect_while_waiting_for_a_whole_response(self, server, ref):
+        prompt, max_tokens = "Hello world! I am fine", CONTEXT - 64
+        cancelled = 'pagedkv_requests_finished_total{finish_reason="cancelled"}'
+        before = server.metric(cancelled, default=0.0)
+        baseline = server.metric("pagedkv_pages_used")
+        with httpx.Client(base_url=server.base, timeout=0.5, trust_env=False) as http:
+            with pytest.raises(httpx.ReadTimeout):   # the client gives up and hangs up
+                http.post("/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens,
+                                                   "temperature": 0})
+        for _ in range(200):
+            if (server.metric(cancelled, default=0.0) == before + 1
+                    and server.metric("pagedkv_pages_used") == baseline):
+                break
+            time.sleep(0.05)
+        assert server.metric(cancelled) == before + 1
+        assert server.metric("pagedkv_pages_used") == baseline
 
 
 class TestQueueLimit:
@@ -603,6 +681,33 @@ class TestShutdown:
             events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
             assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
             assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
+            assert s.proc.wait(60) == 0
+            exited = True
+        finally:
+            if not exited:
+                s.stop()
+            else:
+                s.proc.stdout.close()
+
+
+    def test_sigterm_past_the_grace_period_aborts(self, folder):
+        s = Server(str(folder), "--num-pages", str(NUM_PAGES), "--graceful-timeout", "0")
+        exited = False
+        try:
+            lines: list[str] = []
+            with s.http() as http:
+                with http.stream("POST", "/v1/completions", json={
+                        "prompt": "Hello world! I am fine", "max_tokens": CONTEXT - 64,
+                        "temperature": 0, "stream": True}) as resp:
+                    it = resp.iter_lines()
+                    lines.append(next(it))
+                    s.proc.send_signal(signal.SIGTERM)
+                    try:
+                        lines.extend(it)
+                    except httpx.HTTPError:
+                        pass   # the server cut the response short
+            assert "data: [DONE]" not in lines
+            assert len([x for x in lines if x.startswith("data: ")]) < CONTEXT - 64
             assert s.proc.wait(60) == 0
             exited = True
         finally:

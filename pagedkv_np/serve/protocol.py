@@ -305,8 +305,9 @@ def parse_completion(body: dict) -> GenerationRequest:
         raise _type_error("prompt", "a string or an array of token ids", prompt)
     if not prompt:
         raise _value_error("prompt", "expected a non-empty prompt")
-    if min(prompt) < 0:
-        raise _value_error("prompt", f"token ids must be >= 0, got {min(prompt)}")
+    if min(prompt) < 0 or max(prompt) >= 2 ** 31:
+        bad = min(prompt) if min(prompt) < 0 else max(prompt)
+        raise _value_error("prompt", f"token ids must be in [0, 2**31), got {bad}")
     return _common(body, "completion", None, tuple(int(t) for t in prompt))
 
 
