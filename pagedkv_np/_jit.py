@@ -148,8 +148,9 @@ def warmup(
 
     Parameters
     ----------
-    dtypes : iterable of {"float32", "float16", "bfloat16"}
+    dtypes : iterable of {"float32", "float16", "bfloat16", "int8"}
         Store dtypes to compile for; float16 and bfloat16 share one kernel.
+        ``"int8"`` compiles the int8 store's kernels, for every K/V dtype.
     layouts : iterable of {"NHD", "HND"}
     out_layouts : iterable of {"BTHD", "BHTD"}
 
@@ -167,15 +168,20 @@ def warmup(
     """
     from .backends import get_backend
     from .layout import OutputLayout, StoreLayout, resolve_dtype
+    from .quant import resolve_quant
 
     start = time.perf_counter()
     # the registry types it as a Backend; "numba" is the NumbaBackend
     backend = cast("NumbaBackend", get_backend("numba"))
-    dtypes = [resolve_dtype(d) for d in dtypes]
+    dtypes = list(dtypes)
+    quantized = [d for d in dtypes if resolve_quant(d) is not None]
+    dtypes = [resolve_dtype(d) for d in dtypes if resolve_quant(d) is None]
     store_layouts = [StoreLayout.parse(x) for x in layouts]
     output_layouts = [OutputLayout.parse(x, "out_layouts") for x in out_layouts]
-    for dtype in dtypes:
-        for layout in store_layouts:
-            for out_layout in output_layouts:
+    for layout in store_layouts:
+        for out_layout in output_layouts:
+            for dtype in dtypes:
                 backend._warmup(dtype, layout, out_layout)
+            if quantized:
+                backend._warmup_quantized(layout, out_layout)
     return time.perf_counter() - start

@@ -310,6 +310,20 @@ def test_warmup_compiles_every_kernel():
     assert {"C", "A"} <= layouts
 
 
+def test_warmup_compiles_the_int8_kernels():
+    from pagedkv_np.backends import _numba_quant as quant_kernels
+
+    pk.warmup(dtypes=("int8",), layouts=("NHD",), out_layouts=("BTHD",))
+    for name in ("write_q_serial", "write_q_parallel", "gather_q_serial", "gather_q_parallel"):
+        assert getattr(quant_kernels, name).signatures, name
+    # float32 values and 16-bit bits in, contiguous and strided
+    inputs = {(sig[6].dtype.name, sig[6].layout)
+              for sig in quant_kernels.write_q_serial.signatures}
+    assert {("float32", "C"), ("float32", "A"), ("uint16", "C"), ("uint16", "A")} <= inputs
+    outputs = {sig[7].dtype.name for sig in quant_kernels.gather_q_serial.signatures}
+    assert {"float32", "uint16"} <= outputs
+
+
 def test_warmup_rejects_unknown_names():
     with pytest.raises(DTypeError):
         pk.warmup(dtypes=("float64",))

@@ -175,6 +175,35 @@ class NumbaBackend(Backend):
                kind, layout is StoreLayout.HND, out_layout is OutputLayout.BHTD,
                group_size(k_cache.shape[4]))
 
+    def _warmup_quantized(self, layout: StoreLayout, out_layout: OutputLayout) -> None:
+        """Run the int8 store's kernels once on tiny arrays: serial and
+        parallel, every K/V dtype in and out, contiguous and strided input."""
+        from ..layout import SUPPORTED_DTYPES
+
+        num_pages, page_size, num_heads, head_dim = 4, 2, 2, 32
+        shape = ((1, num_pages, page_size, num_heads, head_dim) if layout is StoreLayout.NHD
+                 else (1, num_pages, num_heads, page_size, head_dim))
+        codes = np.zeros(shape, np.int8)
+        scales = np.zeros((*shape[:4], 1), np.float32)
+        slots = np.arange(3, dtype=np.int32)
+        page_table = np.array([[0, 1]], dtype=np.int32)
+        seq_lens = np.array([3], dtype=np.int32)
+        out_shape = ((1, 4, num_heads, head_dim) if out_layout is OutputLayout.BTHD
+                     else (1, num_heads, 4, head_dim))
+        hnd, bhtd = layout is StoreLayout.HND, out_layout is OutputLayout.BHTD
+        for dtype in SUPPORTED_DTYPES.values():
+            contiguous = np.zeros((3, num_heads, head_dim), dtype)
+            strided = np.zeros((num_heads, 3, head_dim), dtype).transpose(1, 0, 2)
+            for x in (contiguous, strided):
+                bits, kind = _bits_and_kind(x)
+                for write in (_q.write_q_serial, _q.write_q_parallel):
+                    write(codes, codes.copy(), scales, scales.copy(), 0, slots, bits, bits,
+                          kind, hnd, head_dim)
+            out, kind = _bits_and_kind(np.zeros(out_shape, dtype))
+            for gather in (_q.gather_q_serial, _q.gather_q_parallel):
+                gather(codes, codes, scales, scales, 0, page_table, seq_lens, out, out.copy(),
+                       kind, hnd, bhtd, head_dim)
+
     def _warmup(self, dtype: np.dtype, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run every kernel once on tiny arrays of ``dtype``, compiling each
         variant a process can meet: serial and parallel, contiguous and strided
