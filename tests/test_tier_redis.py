@@ -316,3 +316,20 @@ def test_pages_from_redis_are_promoted_to_disk(model_path, server, tmp_path):
                 tier_options={"redis": {"timeout": 0.2}})
     assert c.generate(PROMPTS[2:], NEW) == [reference(model_path, PROMPTS[2])]
     assert c.cache.stats.tiers["disk"]["hits"] >= 5
+
+
+def test_redis_tier_contains_get_put_discard(server):
+    from pagedkv_np.tiers import RedisTier
+    tier = RedisTier(server.url, namespace="ns-test")
+    keys = [bytes([i]) * 20 for i in range(3)]
+    assert tier.contains(keys) == [False] * 3
+    assert tier.put([(keys[0], b"zero"), (keys[2], memoryview(b"two"))]) == [True, True]
+    assert tier.contains(keys) == [True, False, True]
+    assert tier.get(keys) == [b"zero", None, b"two"]
+    tier.discard(keys[:2])
+    assert tier.contains(keys) == [False, False, True]
+    assert server.client().get(b"ns-test:" + keys[2].hex().encode()) == b"two"
+    ttl = RedisTier(server.url, namespace="ns-ttl", ttl=100)
+    ttl.put([(keys[0], b"x")])
+    assert 0 < server.client().ttl(b"ns-ttl:" + keys[0].hex().encode()) <= 100
+    tier.close()

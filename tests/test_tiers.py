@@ -435,3 +435,16 @@ def test_disk_tier_bounds_its_bytes(tmp_path):
     assert tier.get([blobs[-1][0]]) == [blobs[-1][1]]
     assert tier.get([blobs[0][0]]) == [None]
     assert tier.put([(b"z" * 20, os.urandom(20_000))]) == [False]   # larger than the bound
+
+
+def test_disk_tier_contains_get_put_discard(tmp_path):
+    tier = DiskTier(tmp_path, max_bytes=1 << 20)
+    keys = [bytes([i]) * 20 for i in range(3)]
+    assert tier.contains(keys) == [False] * 3
+    assert tier.put([(keys[0], b"zero"), (keys[2], memoryview(b"two"))]) == [True, True]
+    assert tier.contains(keys) == [True, False, True]
+    assert tier.get(keys) == [b"zero", None, b"two"]
+    tier.discard(keys[:2])
+    assert tier.contains(keys) == [False, False, True]
+    # another process's tier on the same directory sees the same entries
+    assert DiskTier(tmp_path, max_bytes=1 << 20).get(keys[2:]) == [b"two"]

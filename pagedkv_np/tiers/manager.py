@@ -75,7 +75,8 @@ class TierManager:
     queue_size : int
         Pages waiting to be written at most; more are dropped and counted.
     read_timeout : float
-        Seconds an admission spends asking tiers at most.
+        No further tier is asked once an admission has spent this long on
+        tier reads (each Redis call is bounded by the tier's own timeout).
     """
 
     def __init__(self, tiers: Sequence[Tier], store: Any, index: Any, lock: Any, model_id: str,
@@ -140,7 +141,7 @@ class TierManager:
             if item is not None:
                 item.arrays = self._copy(page_id)
             unsent = self._unsent.pop(page_id, None)
-            if unsent is not None:
+            if unsent is not None and self.index.identity(page_id) == unsent.identity:
                 unsent.arrays = self._copy(page_id)
                 self._submit(unsent)
             then(page_id)
