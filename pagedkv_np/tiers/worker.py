@@ -64,8 +64,13 @@ class WriteQueue:
             return True
 
     def close(self, timeout: float | None = 5.0) -> None:
-        """Handle what is queued (up to ``timeout``), then stop the thread."""
-        self.flush(timeout)
+        """Handle what is queued (up to ``timeout``), then stop the thread.
+
+        Called from the worker thread itself (a cache collected there), it
+        stops without waiting for the batch it is handling.
+        """
+        if self._thread is not threading.current_thread():
+            self.flush(timeout)
         with self._cond:
             self._closed = True
             self._items.clear()
