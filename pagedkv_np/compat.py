@@ -3,6 +3,9 @@
 Method names, arguments and return values follow the seed design, with its
 flaws fixed; each method's docstring says where it differs and why. New code
 should prefer :class:`pagedkv_np.PagedKVCache`, which tracks sequences itself.
+A ``PagedCache`` is built on one: the cache composes the store, the page pool
+and the prefix index, and this API moves pages and records prefixes through
+their public methods.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from typing import Any
 
 import numpy as np
 
-from .backends import Backend, get_backend
+from .backends import Backend
+from .cache import PagedKVCache
+from .chains import ChainEnds
 from .errors import DTypeError, OutOfPages, PageIdError, PageStateError, ShapeError
 from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
-from .pool import PagePool
-from .prefix import PrefixIndex
-from .store import KVStore
+from .quant import resolve_quant
 from .tokens import as_tokens
 
 __all__ = ["PagedCache", "CacheView"]
@@ -37,8 +40,29 @@ def _as_page_table(page_table: Any, num_pages: int) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
+def _page_id(value: Any, name: str, num_pages: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DTypeError(f"Invalid {name}: expected an integer page id, "
+                         f"got {type(value).__name__}")
+    page_id = int(value)
+    if not 0 <= page_id < num_pages:
+        raise PageIdError(f"Invalid {name}: expected 0 <= page id < {num_pages}, got {value}")
+    return page_id
+
+
+def _token_sequence(token_ids: Any) -> Any:
+    """``token_ids`` if it can be sliced without reading all of it (a list,
+    tuple or 1-D array), else all of it as checked int64 ids."""
+    if isinstance(token_ids, (list, tuple)):
+        return token_ids
+    if isinstance(token_ids, np.ndarray) and token_ids.ndim == 1:
+        return token_ids
+    return as_tokens(token_ids, "token_ids")
+
+
 class PagedCache:
-    """Page pool, prefix index and K/V store behind the seed's method names.
+    """A :class:`PagedKVCache`'s store, page pool and prefix index behind the
+    seed's method names.
 
     Parameters
     ----------
@@ -52,27 +76,44 @@ class PagedCache:
     Differences from the seed: page ids are validated everywhere; a double
     free raises :class:`PageStateError`; prefix hashes are chained and keyed
     and every hit is verified against the stored tokens; ``alloc_n`` is
-    atomic; ``write`` takes a start position per row; ``gather`` zero-fills.
+    atomic; ``write`` takes a start position per row; ``gather`` zero-fills;
+    recording the next page of a sequence hashes that page only.
     """
 
     def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int,
                  head_dim: int, dtype: Any = "float32",
                  backend: "str | Backend | None" = "auto",
                  hash_secret: bytes | None = None) -> None:
-        self._backend = get_backend(backend)
-        self._store = KVStore(n_layers, page_size, n_kv_heads, head_dim, num_pages=n_pages,
-                              dtype=dtype, layout=StoreLayout.NHD, backend=self._backend)
+        if resolve_quant(dtype) is not None:
+            # write and gather move the seed's float arrays as they are
+            raise DTypeError(f"Invalid dtype: PagedCache stores float32, float16 or bfloat16 "
+                             f"K/V, got {dtype!r} (PagedKVCache keeps int8 pages)")
+        self._kv = PagedKVCache(n_layers, n_pages, page_size, n_kv_heads, head_dim,
+                                dtype=dtype, layout=StoreLayout.NHD, backend=backend,
+                                hash_secret=hash_secret)
+        # the cache's parts, moved directly: this API has no sequences
+        self._backend = self._kv.backend
+        self._store = self._kv.store
+        self._pool = self._kv.pool
+        self._index = self._kv.index
         self.page_size = self._store.page_size
-        self._pool = PagePool(self._store.num_pages)
-        self._index = PrefixIndex(self.page_size, hash_secret)
-        self._pool.on_evict = self._index.remove
         self.lookup_hits = 0
         self.lookup_misses = 0
+        self._chains = ChainEnds(self._index)
+        # an evicted page ends the chains through it; the cache's own hook runs first
+        self._next_on_evict = self._pool.on_evict
+        self._pool.on_evict = self._on_evict
 
     k_cache = property(lambda self: self._store.k,
                        doc="K store, shape [n_layers, n_pages, page_size, n_kv_heads, head_dim].")
     v_cache = property(lambda self: self._store.v, doc="V store, same shape as ``k_cache``.")
-    pool = property(lambda self: self._pool)
+    pool = property(lambda self: self._pool, doc="The page pool (a :class:`PagePool`).")
+    index = property(lambda self: self._index, doc="The prefix index (a :class:`PrefixIndex`).")
+
+    def _on_evict(self, page_id: int) -> None:
+        if self._next_on_evict is not None:
+            self._next_on_evict(page_id)
+        self._chains.forget(page_id)
 
     # ------------------------------------------------------------- the pool
     def alloc(self) -> int:
@@ -102,51 +143,61 @@ class PagedCache:
         :class:`PageStateError` and changes nothing (the seed's count went
         negative and the page was lost).
         """
-        self._pool.free([self._pool._check_id(idx, "idx")], "idx")
+        self._pool.free([idx], "idx")
 
     def inc_ref(self, idx: int) -> None:
         """Add a reference; an evictable page is taken out of the LRU.
 
         Differs from the seed: a free page raises (its contents are garbage).
         """
-        self._pool.inc_ref([self._pool._check_id(idx, "idx")], "idx")
+        self._pool.inc_ref([idx], "idx")
 
     # ---------------------------------------------------------- prefix index
     def record_page(self, page_idx: int, token_ids: Any, logical_page_idx: int) -> None:
         """Register page ``page_idx`` as holding logical page
         ``logical_page_idx`` of ``token_ids``.
 
+        Recording the pages of a sequence one after another hashes one page
+        per call, not every earlier page again: the cache keeps where the
+        chains of recent sequences end (:class:`pagedkv_np.chains.ChainEnds`)
+        and checks the earlier tokens against that chain's in one C-level
+        comparison (pointer by pointer for a list the caller left as it was).
+
         Differs from the seed: the hash chains over every earlier page, so
         the earlier pages must be recorded first (a page whose parent is not
         indexed is not recorded); the page must be in use (the seed silently
         leaked a recorded page with ref count 0); the logical page must be
-        full.
+        full. Only the tokens up to the end of the page are checked: the
+        page's own and the one before it as token ids, the earlier ones by
+        comparing their values with those of the chain they were recorded in
+        (or as token ids, when no chain of theirs is kept).
         """
-        tokens = as_tokens(token_ids, "token_ids")
-        self._pool._check_id(page_idx, "page_idx")
+        tokens = _token_sequence(token_ids)
+        page_id = _page_id(page_idx, "page_idx", self._pool.num_pages)
         if isinstance(logical_page_idx, bool) or not isinstance(logical_page_idx, numbers.Integral):
             raise DTypeError("Invalid logical_page_idx: expected an integer")
+        logical = int(logical_page_idx)
         num_full = len(tokens) // self.page_size
-        if not 0 <= logical_page_idx < num_full:
+        if not 0 <= logical < num_full:
             raise PageIdError(
                 f"Invalid logical_page_idx: expected 0 <= idx < {num_full} (full pages of "
                 f"token_ids), got {logical_page_idx}")
-        if self._pool.ref_count(page_idx) == 0:
-            raise PageStateError(f"Invalid page_idx: page {page_idx} is not in use")
-        raw = tokens.tobytes()
-        step = 8 * self.page_size
-        # the earlier pages must be indexed, with exactly these tokens
-        parents, digests = self._index.lookup(raw, len(tokens), logical_page_idx, count=False)
-        if len(parents) < logical_page_idx:
+        start = logical * self.page_size
+        page = as_tokens(tokens[start:start + self.page_size], "token_ids").tobytes()
+        if self._pool.ref_count(page_id) == 0:
+            raise PageStateError(f"Invalid page_idx: page {page_id} is not in use")
+        chain = self._chains.parent(tokens, logical)
+        if chain is None:
             return
-        if logical_page_idx:
-            parent_digest, parent = digests[-1], self._index.identity(parents[-1])
-        else:
-            parent_digest, parent = self._index.root()
-        chunk = raw[logical_page_idx * step:(logical_page_idx + 1) * step]
-        _, _, indexed = self._index.insert(page_idx, parent_digest, parent, chunk)
+        before = self._index.identity(page_id)
+        digest, identity, indexed = self._index.insert(page_id, chain.digest, chain.identity,
+                                                       page)
+        if self._index.identity(page_id) != before:  # it left the prefix it held
+            self._chains.forget(page_id)
         if indexed:
-            self._pool.mark_cached(page_idx)
+            self._pool.mark_cached(page_id)
+        if identity is not None:  # None: a colliding hash, no child can follow
+            self._chains.extend(chain, tokens, page, digest, identity)
 
     def lookup_prefix(self, token_ids: Any) -> list[int]:
         """Pages holding the longest cached prefix of ``token_ids``.

@@ -528,3 +528,138 @@ def snapshot(cache):
             {p: (e.digest, e.tokens, e.parent) for p, e in index._entries.items()},
             dict(index._generation), cache.lookup_hits, cache.lookup_misses,
             bits(cache.k_cache).tobytes(), bits(cache.v_cache).tobytes())
+
+
+# ------------------------------------------------- recording page by page
+
+def count_hashed_tokens(cache):
+    """Wrap the prefix index's lookup and insert so that ``counter[0]`` adds
+    up the tokens they hash (a lookup's walk at most ``max_pages`` pages)
+    and ``counter[1]`` the lookups."""
+    index, counter = cache.index, [0, 0]
+    lookup, insert = index.lookup, index.insert
+
+    def counted_lookup(token_bytes, num_tokens, max_pages, *args, **kwargs):
+        counter[0] += max_pages * index.page_size
+        counter[1] += 1
+        return lookup(token_bytes, num_tokens, max_pages, *args, **kwargs)
+
+    def counted_insert(page_id, parent_digest, parent, tokens):
+        counter[0] += len(tokens) // 8
+        return insert(page_id, parent_digest, parent, tokens)
+
+    index.lookup, index.insert = counted_lookup, counted_insert
+    return counter
+
+
+def hashed_per_page(num_tokens, kind):
+    """Tokens hashed per page while recording every page of one sequence of
+    ``num_tokens`` in order, and the sequence's pages found by a lookup."""
+    page_size = 16
+    num_pages = num_tokens // page_size
+    cache = PagedCache(1, num_pages, page_size, 1, 1, backend="numpy")
+    ids = np.random.default_rng(num_tokens).integers(0, 50_000, num_tokens)
+    tokens = {"list": ids.tolist(), "tuple": tuple(ids.tolist()), "ndarray": ids}[kind]
+    counter = count_hashed_tokens(cache)
+    pages = cache.alloc_n(num_pages)
+    for i, page_id in enumerate(pages):
+        cache.record_page(page_id, tokens, i)
+    per_page, num_walks = counter[0] / num_pages, counter[1]
+    assert cache.lookup_prefix(ids.tolist() + [0]) == pages
+    return per_page, num_walks
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "ndarray"])
+def test_record_page_work_per_page_does_not_grow_with_the_sequence(kind):
+    # Each call once converted the whole list and walked the chain from the
+    # root: 32K tokens hashed 16x more per page than 2K.
+    (short, short_walks), (long, long_walks) = (hashed_per_page(2048, kind),
+                                                hashed_per_page(32768, kind))
+    assert long <= 2 * short
+    assert short == long == 16  # the recorded page's tokens, nothing else
+    assert short_walks == long_walks == 0  # no walk from the root
+
+
+def test_record_page_sequences_recorded_in_turn_keep_their_chains():
+    cache = make(n_pages=12)
+    seqs = [[s] * 4 + list(range(10 * s, 10 * s + 12)) for s in range(3)]
+    counter = count_hashed_tokens(cache)
+    pages = [cache.alloc_n(4) for _ in seqs]
+    for i in range(4):
+        for tokens, own in zip(seqs, pages):
+            cache.record_page(own[i], tokens, i)
+    assert counter == [3 * 4 * PS, 0]
+    for tokens, own in zip(seqs, pages):
+        assert cache.lookup_prefix(tokens + [0]) == own
+
+
+@pytest.mark.parametrize("kind", ["list", "ndarray"])
+def test_record_page_after_the_caller_changed_its_tokens(kind):
+    # The same list (or array), changed in place between calls: its earlier
+    # pages are not the recorded ones, so the next page is not recorded.
+    cache = make(n_pages=8)
+    tokens = list(range(12)) if kind == "list" else np.arange(12)
+    pages = cache.alloc_n(3)
+    cache.record_page(pages[0], tokens, 0)
+    cache.record_page(pages[1], tokens, 1)
+    tokens[1] = 50
+    cache.record_page(pages[2], tokens, 2)
+    assert not cache.pool.is_cached(pages[2]) and pages[2] not in cache.index
+    assert cache.lookup_prefix(list(range(12)) + [0]) == pages[:2]
+    # Changed back, the chain is found again.
+    tokens[1] = 1
+    cache.record_page(pages[2], tokens, 2)
+    assert cache.lookup_prefix(list(range(12)) + [0]) == pages
+
+
+def test_record_page_after_an_earlier_page_was_evicted():
+    cache = make(n_pages=4)
+    tokens = list(range(12))
+    pages = cache.alloc_n(3)
+    cache.record_page(pages[0], tokens, 0)
+    cache.record_page(pages[1], tokens, 1)
+    cache.free(pages[0])                        # evictable, then taken for reuse
+    assert cache.alloc() == 3 and cache.alloc() == pages[0]
+    cache.record_page(pages[2], tokens, 2)      # its chain starts at an evicted page
+    assert not cache.pool.is_cached(pages[2]) and pages[2] not in cache.index
+    assert cache.lookup_prefix(tokens + [0]) == []
+
+
+def test_record_page_of_a_page_that_held_another_prefix():
+    cache = make(n_pages=8)
+    a, b = list(range(12)), list(range(20, 32))
+    pages_a, pages_b = cache.alloc_n(3), cache.alloc_n(1)
+    cache.record_page(pages_a[0], a, 0)
+    cache.record_page(pages_a[1], a, 1)
+    cache.record_page(pages_b[0], b, 0)
+    cache.record_page(pages_a[1], b, 1)         # now page 1 of b, no longer of a
+    cache.record_page(pages_a[2], a, 2)         # a's chain is broken at page 1
+    assert pages_a[2] not in cache.index
+    assert cache.lookup_prefix(a + [0]) == pages_a[:1]
+    assert cache.lookup_prefix(b + [0]) == [pages_b[0], pages_a[1]]
+
+
+def test_record_page_again_changes_nothing():
+    cache = make(n_pages=8)
+    tokens = list(range(12))
+    pages = cache.alloc_n(3)
+    for i, p in enumerate(pages):
+        cache.record_page(p, tokens, i)
+    before = snapshot(cache)
+    for i, p in enumerate(pages):
+        cache.record_page(p, tuple(tokens), i)
+    assert snapshot(cache) == before
+
+
+def test_record_page_checks_the_tokens_it_reads():
+    cache = make(n_pages=8)
+    tokens = list(range(12))
+    pages = cache.alloc_n(3)
+    cache.record_page(pages[0], tokens, 0)
+    before = snapshot(cache)
+    with pytest.raises(DTypeError, match="token_ids"):   # the page before the recorded one
+        cache.record_page(pages[1], tokens[:3] + [1.5] + tokens[4:], 1)
+    bad_first = [-1] + tokens[1:]                         # no chain of these tokens is kept
+    with pytest.raises(DTypeError, match="token_ids"):
+        cache.record_page(pages[2], bad_first, 2)
+    assert snapshot(cache) == before
