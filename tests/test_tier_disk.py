@@ -44,17 +44,18 @@ _REFS: dict = {}
 
 def reference(model_path, prompt, n=NEW):
     """Greedy by recomputing the whole sequence for every token (no cache)."""
-    key = tuple(prompt)
+    key = (model_path, tuple(prompt), n)
     if key not in _REFS:
         sess = ort.InferenceSession(model_path, providers=["CPUExecutionProvider"])
         tokens, out = list(prompt), []
         for _ in range(n):
             t = len(tokens)
             feeds = {"input_ids": np.array([tokens], np.int64),
-                     "attention_mask": np.ones((1, t), np.int64),
-                     "position_ids": np.arange(t, dtype=np.int64)[None]}
+                     "attention_mask": np.ones((1, t), np.int64)}
             for arg in sess.get_inputs():
-                if arg.name.startswith("past_key_values."):
+                if arg.name == "position_ids":
+                    feeds[arg.name] = np.arange(t, dtype=np.int64)[None]
+                elif arg.name.startswith("past_key_values."):
                     feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
             tok = int(np.argmax(sess.run(["logits"], feeds)[0][0, -1]))
             out.append(tok)
@@ -137,6 +138,18 @@ def test_a_restarted_decoder_reads_the_system_prompt_from_disk(model_path, tmp_p
     assert s["tier_disk_hits"] >= 5 and s["tier_disk_rejected"] == 0
     # the first request was served the 5 system pages from disk
     assert s["prefix_hit_tokens"] >= 5 * PAGE
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_a_gqa_model_restarts_from_disk(tmp_path, layout):
+    path = str(tmp_path / "gqa.onnx")
+    save_model(build_model(CONFIG, family="gqa"), path)
+    first = decoder(path, tmp_path / "d", layout=layout)
+    assert first.generate(PROMPTS[:1], NEW) == [reference(path, PROMPTS[0])]
+    first.cache.tiers.flush(30)
+    second = decoder(path, tmp_path / "d", layout=layout)
+    assert second.generate(PROMPTS[1:], NEW) == [reference(path, p) for p in PROMPTS[1:]]
+    assert disk_stats(second)["hits"] >= 5
 
 
 def test_a_restart_in_another_process(model_path, tmp_path):
