@@ -244,6 +244,11 @@ def test_overwritten_values_are_never_served(model_path, server, damage):
     assert b.generate(PROMPTS, NEW) == [reference(model_path, p) for p in PROMPTS]
     s = rstats(b)
     assert s["hits"] == 0 and s["rejected"] >= 1
+    b.cache.tiers.flush(30)      # the bad values were deleted and written again
+    assert rstats(b)["pages_written"] >= 5
+    c = decoder(model_path, server.url)
+    assert c.generate(PROMPTS[:1], NEW) == [reference(model_path, PROMPTS[0])]
+    assert rstats(c)["hits"] >= 5 and rstats(c)["rejected"] == 0
 
 
 def test_a_server_killed_mid_run_and_restarted(model_path, server):
