@@ -18,9 +18,10 @@ Figures (one layer, 8 KV heads x 128, page_size 16, pages in random order):
 
 Bandwidths count bytes read plus bytes written. Each operation is timed
 alternately with plain copies of the same number of bytes between two
-contiguous arrays: ``np.copyto`` on one thread, and ``np.copyto`` split over
-Numba's thread count with a persistent thread pool (NumPy releases the GIL
-while it copies). The baseline is whichever of the two copies was faster.
+contiguous arrays (:class:`pagedkv_np.bench.timing.CopyBaseline`):
+``np.copyto`` on one thread, and ``np.copyto`` split over Numba's thread
+count with a persistent thread pool (NumPy releases the GIL while it
+copies). The baseline is whichever of the two copies was faster.
 Machines shared with other work make every figure vary, so the best of
 ``--repeat`` runs is reported, the ratio is taken between the bests, and the
 median of the per-round ratios is printed beside it.
@@ -36,12 +37,12 @@ import tempfile
 import textwrap
 import time
 import timeit
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 import pagedkv_np as pk
 from pagedkv_np.backends.base import Backend
+from pagedkv_np.bench.timing import CopyBaseline, round_times
 
 NUM_HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
 BATCH, SEQ_LEN = 32, 2048
@@ -53,50 +54,18 @@ def _random_bits(rng, shape, dtype) -> np.ndarray:
                         endpoint=True).view(dtype)
 
 
-class _Copies:
-    """Plain copies of two arrays of ``nbytes`` each (as K and V)."""
-
-    def __init__(self, rng, nbytes: int, num_threads: int):
-        self.pairs = [(np.ones(nbytes, np.uint8),
-                       _random_bits(rng, nbytes // 2, np.uint16).view(np.uint8))
-                      for _ in range(2)]
-        self.num_threads = num_threads
-        self.pool = ThreadPoolExecutor(max(1, num_threads - 1))
-
-    def one_thread(self) -> None:
-        for dst, src in self.pairs:
-            np.copyto(dst, src)
-
-    def threads(self) -> None:
-        for dst, src in self.pairs:
-            bounds = np.linspace(0, src.shape[0], self.num_threads + 1).astype(int)
-            parts = [self.pool.submit(np.copyto, dst[a:b], src[a:b])
-                     for a, b in zip(bounds[1:-1], bounds[2:])]
-            np.copyto(dst[:bounds[1]], src[:bounds[1]])
-            for part in parts:
-                part.result()
-
-    def close(self) -> None:
-        self.pool.shutdown()
-
-
-def _timed_rounds(op, copies: _Copies, repeat: int) -> tuple[float, float, str, float]:
-    """(best op seconds, best copy seconds, which copy, median per-round ratio)."""
-    fns = {"op": op, "1 thread": copies.one_thread,
-           f"{copies.num_threads} threads": copies.threads}
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t)
-    copy_names = [name for name in fns if name != "op"]
-    best_copy = min(copy_names, key=lambda name: min(times[name]))
-    per_round = np.minimum(*[np.array(times[name]) for name in copy_names])
-    ratio = float(np.median(per_round / np.array(times["op"])))
-    return min(times["op"]), min(times[best_copy]), best_copy, ratio
+def _timed_rounds(op, base: CopyBaseline, moved: int,
+                  repeat: int) -> tuple[float, float, str, float]:
+    """(best op seconds, best copy seconds, which copy, median per-round
+    ratio), one call per sample, the op and copies of ``moved`` bytes
+    interleaved."""
+    copies = base.copies(moved)
+    rounds = np.array(round_times([op] + [fn for fn, _ in copies], repeat, min_time=0.0))
+    best = rounds.min(axis=0)
+    which = 1 + int(np.argmin(best[1:]))
+    threads = copies[which - 1][1]
+    ratio = float(np.median(rounds[:, 1:].min(axis=1) / rounds[:, 0]))
+    return float(best[0]), float(best[which]), f"{threads} thread{'s' * (threads > 1)}", ratio
 
 
 def _line(name: str, moved: int, timings) -> str:
@@ -107,24 +76,21 @@ def _line(name: str, moved: int, timings) -> str:
             f"(median of rounds {round_ratio:4.2f})")
 
 
-def _gather_case(backend, store, page_table, seq_lens, out_layout, repeat, num_threads):
+def _gather_case(backend, store, page_table, seq_lens, out_layout, repeat, base):
     shape = ((BATCH, SEQ_LEN, NUM_HEADS, HEAD_DIM) if out_layout == "BTHD"
              else (BATCH, NUM_HEADS, SEQ_LEN, HEAD_DIM))
     out = (np.ones(shape, store.dtype), np.ones(shape, store.dtype))
-    copies = _Copies(np.random.default_rng(4), out[0].nbytes, num_threads)
 
     def op():
         backend.gather(store.k, store.v, 0, page_table, seq_lens, out=out,
                        out_layout=out_layout, check_indices=False)
 
-    try:
-        return _line(f"gather {store.dtype} NHD->{out_layout}", 4 * out[0].nbytes,
-                     _timed_rounds(op, copies, repeat))
-    finally:
-        copies.close()
+    moved = 4 * out[0].nbytes
+    return _line(f"gather {store.dtype} NHD->{out_layout}", moved,
+                 _timed_rounds(op, base, moved, repeat))
 
 
-def bench_gather(backend, repeat: int, num_threads: int) -> list[str]:
+def bench_gather(backend, repeat: int, base: CopyBaseline) -> list[str]:
     rng = np.random.default_rng(0)
     lines = []
     num_pages = BATCH * SEQ_LEN // PAGE_SIZE
@@ -137,11 +103,11 @@ def bench_gather(backend, repeat: int, num_threads: int) -> list[str]:
         store.v[...] = _random_bits(rng, store.shape, store.dtype)
         for out_layout in ("BTHD", "BHTD"):
             lines.append(_gather_case(backend, store, page_table, seq_lens, out_layout,
-                                      repeat, num_threads))
+                                      repeat, base))
     return lines
 
 
-def bench_prefill(backend, repeat: int, num_threads: int) -> list[str]:
+def bench_prefill(backend, repeat: int, base: CopyBaseline) -> list[str]:
     rng = np.random.default_rng(1)
     lines = []
     num_tokens = SEQ_LEN
@@ -156,15 +122,14 @@ def bench_prefill(backend, repeat: int, num_threads: int) -> list[str]:
             store.v[...] = 1
             k = _random_bits(rng, (num_tokens, NUM_HEADS, HEAD_DIM), store.dtype)
             v = _random_bits(rng, (num_tokens, NUM_HEADS, HEAD_DIM), store.dtype)
-            copies = _Copies(rng, k.nbytes, num_threads)
 
             def op():
                 backend.write(store.k, store.v, 0, slots, k, v, layout=layout,
                               check_indices=False)
 
-            lines.append(_line(f"prefill write {dtype} {layout} 2048 tok", 4 * k.nbytes,
-                               _timed_rounds(op, copies, repeat)))
-            copies.close()
+            moved = 4 * k.nbytes
+            lines.append(_line(f"prefill write {dtype} {layout} 2048 tok", moved,
+                               _timed_rounds(op, base, moved, repeat)))
     return lines
 
 
@@ -175,7 +140,7 @@ class _NoKernel(Backend):
         pass
 
 
-def bench_decode(backend, repeat: int) -> list[str]:
+def bench_decode(backend, repeat: int, base: CopyBaseline) -> list[str]:
     """Per call, as in a decode loop: each call writes the next position of
     32 sequences, whose pages lie anywhere in a 4096-page store."""
     from pagedkv_np.backends import _numba_kernels as K
@@ -194,10 +159,12 @@ def bench_decode(backend, repeat: int) -> list[str]:
         store.v[...] = 1
         k = _random_bits(rng, (num_seqs, NUM_HEADS, HEAD_DIM), store.dtype)
         v = _random_bits(rng, (num_seqs, NUM_HEADS, HEAD_DIM), store.dtype)
-        dst_k, dst_v = np.ones_like(k), np.ones_like(v)
-        # one fresh (cold) destination per step, as the store's slots are
-        fresh = np.ones((steps, 2) + k.shape, k.dtype)
-        step_of = {id(slots): t for t, slots in enumerate(step_slots)}
+        # the bytes of K and V, read and written: into the same (hot)
+        # destination each call, and into a fresh (cold) one per step, as the
+        # store's slots are
+        moved = 4 * k.nbytes
+        hot = base.copies(moved)[0][0]
+        fresh = base.fresh_copies(moved, steps * moved // 2)[0][0]
         typed = _typed(store.k), _typed(store.v), _typed(k), _typed(v)
         no_kernel = _NoKernel()
         cases = {
@@ -209,10 +176,8 @@ def bench_decode(backend, repeat: int) -> list[str]:
                 store.k, store.v, 0, s, k, v, pk.StoreLayout.NHD),
             "kernel call alone": lambda s: K.write_serial(
                 typed[0], typed[1], 0, s, typed[2], typed[3], K.STREAM),
-            "np.copyto of the bytes (hot)": lambda s: (np.copyto(dst_k, k),
-                                                       np.copyto(dst_v, v)),
-            "np.copyto into fresh memory": lambda s: (
-                np.copyto(fresh[step_of[id(s)], 0], k), np.copyto(fresh[step_of[id(s)], 1], v)),
+            "np.copyto of the bytes (hot)": lambda s: hot(),
+            "np.copyto into fresh memory": lambda s: fresh(),
         }
         for name, fn in cases.items():
             best = float("inf")
@@ -330,14 +295,18 @@ def main(argv: list[str] | None = None) -> int:
     pk.warmup(dtypes=("float32", "float16"))
     print(f"warmup: {time.perf_counter() - t:.2f} s")
     only = set(args.only.split(","))
-    for name, fn in (("gather", lambda: bench_gather(backend, args.repeat, num_threads)),
-                     ("prefill", lambda: bench_prefill(backend, args.repeat, num_threads)),
-                     ("decode", lambda: bench_decode(backend, args.repeat)),
-                     ("cold", bench_cold),
-                     ("thresholds", lambda: bench_thresholds(args.repeat))):
-        if name in only:
-            for line in fn():
-                print(line, flush=True)
+    base = CopyBaseline(max(2, num_threads))
+    try:
+        for name, fn in (("gather", lambda: bench_gather(backend, args.repeat, base)),
+                         ("prefill", lambda: bench_prefill(backend, args.repeat, base)),
+                         ("decode", lambda: bench_decode(backend, args.repeat, base)),
+                         ("cold", bench_cold),
+                         ("thresholds", lambda: bench_thresholds(args.repeat))):
+            if name in only:
+                for line in fn():
+                    print(line, flush=True)
+    finally:
+        base.close()
     return 0
 
 

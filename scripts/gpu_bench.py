@@ -1,7 +1,9 @@
 """Bandwidth of the CuPy backend's kernels beside a device-to-device copy.
 
 Each figure is the kernel's time against ``cudaMemcpyAsync`` (device to
-device) of the same bytes, both timed with CUDA events in this process:
+device) of the same bytes, the device copy of
+:class:`pagedkv_np.bench.timing.CopyBaseline`, both timed with CUDA events in
+this process:
 ``ratio = copy time / kernel time`` (1.0 means as fast as a plain copy; the
 goal is >= 0.8). Bytes count what is read plus what is written, K and V.
 
@@ -28,6 +30,7 @@ from pagedkv_np import get_backend  # noqa: E402
 from pagedkv_np.backends._cuda_sources import get_kernel  # noqa: E402
 from pagedkv_np.backends.cupy_gpu import (  # noqa: E402
     plan_copy_pages, plan_gather, plan_write, row_strides)
+from pagedkv_np.bench.timing import CopyBaseline  # noqa: E402
 from pagedkv_np.layout import OutputLayout, StoreLayout, resolve_dtype  # noqa: E402
 
 
@@ -46,14 +49,6 @@ def timed(cupy, fn, repeats: int, warmup: int = 3) -> float:
     return float(np.median(times))
 
 
-def copy_time(cupy, nbytes: int, repeats: int) -> float:
-    """Time of a device-to-device copy that reads and writes ``nbytes`` in all."""
-    half = nbytes // 2
-    src = cupy.empty(half, dtype=cupy.uint8)
-    dst = cupy.empty(half, dtype=cupy.uint8)
-    return timed(cupy, lambda: dst.data.copy_from_device_async(src.data, half), repeats)
-
-
 def launcher(cupy, plan, *arrays):
     kernel = get_kernel(plan.file_name, plan.entry_point)
     args = (*arrays, *plan.scalars)
@@ -69,6 +64,7 @@ def main(argv=None) -> int:
     import cupy
 
     be = get_backend("cupy")
+    baseline = CopyBaseline()
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     repeats = 5 if args.quick else 20
     dtype = resolve_dtype("bfloat16")
@@ -89,6 +85,11 @@ def main(argv=None) -> int:
         results["rows"].append(row)
         print(f"{name:44s} {row['kernel_gbps']:12.0f} {row['copy_gbps']:10.0f} "
               f"{row['ratio']:6.2f}")
+
+    def copy(nbytes):
+        """Time of a device-to-device copy that reads and writes ``nbytes`` in all."""
+        [(fn, _)] = baseline.copies(nbytes, be)
+        return timed(cupy, fn, repeats)
 
     num_tokens = num_seqs * seq_len
     num_pages = num_tokens // page_size + 64
@@ -111,7 +112,7 @@ def main(argv=None) -> int:
         run = launcher(cupy, plan, k_cache[0], v_cache[0], k, v, cupy.asarray(slots))
         nbytes = 2 * 2 * num_prefill * row_bytes
         report(f"write {layout.value} prefill {num_prefill} tokens",
-               nbytes, timed(cupy, run, repeats), copy_time(cupy, nbytes, repeats))
+               nbytes, timed(cupy, run, repeats), copy(nbytes))
 
         # Decode gather: num_seqs sequences of seq_len tokens, one layer.
         table = pages.reshape(num_seqs, seq_len // page_size)
@@ -130,7 +131,7 @@ def main(argv=None) -> int:
                            cupy.asarray(table), cupy.asarray(lens))
             nbytes = 2 * 2 * num_tokens * row_bytes
             report(f"gather {layout.value}->{out_layout.value} {num_seqs}x{seq_len}",
-                   nbytes, timed(cupy, run, repeats), copy_time(cupy, nbytes, repeats))
+                   nbytes, timed(cupy, run, repeats), copy(nbytes))
 
         # Copy-on-write of many pages.
         num_pairs = min(1024, num_pages // 4)
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
         run = launcher(cupy, plan, k_cache, v_cache, cupy.asarray(src), cupy.asarray(dst))
         nbytes = 2 * 2 * num_pairs * page_size * row_bytes
         report(f"copy_pages {layout.value} {num_pairs} pages",
-               nbytes, timed(cupy, run, repeats), copy_time(cupy, nbytes, repeats))
+               nbytes, timed(cupy, run, repeats), copy(nbytes))
 
         if layout is StoreLayout.NHD:
             # A whole public decode step (one token per sequence), wall clock.
@@ -164,6 +165,7 @@ def main(argv=None) -> int:
     worst = min(r["ratio"] for r in results["rows"] if not r["operation"].startswith("copy_"))
     results["worst_write_gather_ratio"] = worst
     print(f"worst write/gather ratio to a copy: {worst:.2f} (goal >= 0.8)")
+    baseline.close()
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
