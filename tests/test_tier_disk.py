@@ -333,3 +333,21 @@ def test_bad_tier_arguments_of_the_decoder(model_path, tmp_path, kw, err, match)
           for k, v in kw.items()}
     with pytest.raises(getattr(errors, err), match=match):
         decoder(model_path, **kw)
+
+
+def test_int8_pages_restart_from_disk(model_path, tmp_path):
+    """int8 pages (codes and scales) come back bit for bit: a restarted
+    decoder answers exactly as one that kept them in RAM. (With int8 pages
+    an answer depends on which tokens came from pages, so both run without
+    partial page reuse, which tiers do not serve: full pages only.)"""
+    ram = decoder(model_path, kv_dtype="int8", partial_page_reuse=False)
+    want = [ram.generate([p], NEW)[0] for p in PROMPTS]
+    first = decoder(model_path, tmp_path, kv_dtype="int8", partial_page_reuse=False)
+    assert first.generate(PROMPTS[:1], NEW) == want[:1]
+    first.cache.tiers.flush(30)
+    second = decoder(model_path, tmp_path, kv_dtype="int8", partial_page_reuse=False)
+    assert second.generate(PROMPTS[1:], NEW) == want[1:]
+    assert disk_stats(second)["hits"] >= 5
+    float_pages = decoder(model_path, tmp_path)      # another page format: never loaded
+    float_pages.generate(PROMPTS[1:2], NEW)
+    assert disk_stats(float_pages)["hits"] == 0
