@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
+from pagedkv_np.serve.command import session_options  # noqa: E402
 
 SYSTEM = (
     "You are a careful, friendly assistant for the travellers of a small tourist office. "
@@ -253,8 +254,10 @@ class EngineWorker:
 
 def worker(args) -> int:
     """``--worker``: run workloads asked for on stdin, answer on stdout (JSON lines)."""
+    # the servers' onnxruntime settings (pagedkv serve's defaults)
     dec = OrtDecoder.from_pretrained(args.model, num_pages=args.num_pages,
-                                     max_batch_size=args.max_batch_size)
+                                     max_batch_size=args.max_batch_size,
+                                     session_options=session_options())
     out = sys.stdout
     sys.stdout = sys.stderr     # nothing else may write to the answer channel
     questions = json.loads(sys.stdin.readline())["questions"]
@@ -307,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print("loading the model in-process and in two servers ...", flush=True)
     dec = OrtDecoder.from_pretrained(args.model, num_pages=args.num_pages,
-                                     max_batch_size=args.max_batch_size)
+                                     max_batch_size=args.max_batch_size,
+                                     session_options=session_options())
     prompts = [dec.encode_chat(messages(q)) for q in questions]
     print(f"{args.clients} clients, system prompt {len(dec.encode_chat(messages('')))} tokens, "
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["main", "model_name"]
+__all__ = ["main", "model_name", "session_options"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -45,11 +45,32 @@ def _parser() -> argparse.ArgumentParser:
                    help="the id in /v1/models (default: MODEL's file or folder name)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (for comparison)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="onnxruntime intra-op threads (default 0: onnxruntime's choice)")
+    p.add_argument("--spin", action="store_true",
+                   help="let onnxruntime's idle threads spin-wait (off by default: spinning "
+                        "threads take the cores the HTTP side and other processes need)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def session_options(threads: int = 0, spin: bool = False) -> Any:
+    """onnxruntime session options for a server.
+
+    Idle intra-op threads spin-wait by default in onnxruntime. On a small
+    or shared machine that takes the cores from the event loop (and from
+    other processes) and, measured here on 2 busy cores with SmolLM2, about
+    doubled the CPU time of a decode step and made it slower, not faster.
+    """
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = int(threads)
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    return options
 
 
 def load_decoder(args: Any) -> Any:
@@ -58,7 +79,8 @@ def load_decoder(args: Any) -> Any:
     return OrtDecoder.from_pretrained(
         args.model, num_pages=args.num_pages, page_size=args.page_size,
         max_batch_size=args.max_batch_size,
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching,
+        session_options=session_options(args.threads, args.spin))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.max_queue < 1:
         print("pagedkv serve: --max-queue must be >= 1", file=sys.stderr)
+        return 2
+    if args.threads < 0:
+        print("pagedkv serve: --threads must be >= 0", file=sys.stderr)
         return 2
     try:
         decoder = load_decoder(args)

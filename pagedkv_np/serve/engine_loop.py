@@ -283,12 +283,11 @@ class EngineLoop:
 
     def _counts(self, job: Job) -> tuple[int, int, int]:
         """(prompt tokens, cached prompt tokens, generated tokens)."""
-        status = getattr(self.decoder, "status", None)
         num_cached = 0
-        if status is not None and job.rid is not None:
+        if job.rid is not None:
             try:
-                num_cached = int(status(job.rid).num_cached_tokens)
-            except PagedKVError:
+                num_cached = int(self.decoder.status(job.rid).num_cached_tokens)
+            except PagedKVError:   # already forgotten
                 pass
         return len(job.prompt_ids), num_cached, job.num_generated
 
@@ -297,16 +296,16 @@ class EngineLoop:
         try:
             events = dec.step()
         except Exception as exc:
-            # an engine without per-request error states: every running
-            # request is concerned; the engine itself stays usable
+            # a failure the engine did not pin on one request (those come in
+            # events.errors): every running request is concerned
             traceback.print_exc()
             for running in list(self._active.values()):
                 self._fail(running, exc)
             return
         now = time.perf_counter()
         metrics = self.metrics
-        finished = getattr(events, "finished", None)
-        for rid, error in getattr(events, "errors", {}).items():
+        finished = events.finished
+        for rid, error in events.errors.items():
             failed = self._active.get(rid)
             if failed is not None:
                 self._fail(failed, error)
@@ -328,35 +327,26 @@ class EngineLoop:
             job.num_generated += len(tokens)
             metrics.generation_tokens.inc(len(tokens))
             delta = job.stream.push(list(tokens))
-            done = rid in finished if finished is not None else dec.is_finished(rid)
-            if job.stream.stopped or done:
-                reason = "stop" if job.stream.stopped else self._reason(job, tokens[-1])
+            if job.stream.stopped or rid in finished:
+                reason = "stop" if job.stream.stopped else self._reason(job)
                 counts = self._counts(job)
                 self._forget(rid)
                 self._finish(job, Update(delta + job.stream.finish(), reason, *counts))
             elif delta:
                 job.emit(Update(delta))
         # requests that ended in this step without a new token
-        for rid in finished or ():
+        for rid in finished:
             ended = self._active.get(rid)
             if ended is not None:
-                reason = self._reason(ended, None)
+                reason = self._reason(ended)
                 counts = self._counts(ended)
                 self._forget(rid)
                 self._finish(ended, Update(ended.stream.finish(), reason, *counts))
 
-    def _reason(self, job: Job, last_token: int | None) -> str:
-        status = getattr(self.decoder, "status", None)
-        if status is not None:
-            reason = status(job.rid).finish_reason
-            if reason in ("stop", "length"):
-                return reason
-        if job.num_generated >= job.max_tokens and last_token not in self._eos():
-            return "length"
-        return "stop"
-
-    def _eos(self) -> frozenset:
-        return frozenset(getattr(self.decoder, "eos_token_ids", ()) or ())
+    def _reason(self, job: Job) -> str:
+        """"stop" (an end token) or "length" (max_tokens) for a finished job."""
+        reason = self.decoder.status(job.rid).finish_reason
+        return "length" if reason == "length" else "stop"
 
     def _publish(self) -> None:
         try:
