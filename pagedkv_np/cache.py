@@ -44,7 +44,8 @@ from .plan import Plan, build_plan
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
 from .store import KVStore
-from .tiers.manager import attach_tiers, open_tiers
+from .tiers.config import open_tiers
+from .tiers.manager import attach_tiers
 from .tokens import as_tokens
 
 __all__ = ["PagedKVCache", "Sequence", "CacheStats"]

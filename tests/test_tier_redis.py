@@ -338,3 +338,25 @@ def test_redis_tier_contains_get_put_discard(server):
     ttl.put([(keys[0], b"x")])
     assert 0 < server.client().ttl(b"ns-ttl:" + keys[0].hex().encode()) <= 100
     tier.close()
+
+
+def test_a_hung_server_costs_a_timeout_not_a_stall(model_path, server):
+    """A stopped (SIGSTOP) server accepts connections and never answers:
+    reads end at the tier's timeout, the engine goes on, and it uses the
+    server again once it answers."""
+    import signal
+    dec = decoder(model_path, server.url, tier_options={"redis": {"timeout": 0.3,
+                                                                  "retry_interval": 0.2}})
+    assert dec.generate(PROMPTS[:1], NEW) == [reference(model_path, PROMPTS[0])]
+    dec.cache.tiers.flush(30)
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        fresh = decoder(model_path, server.url, tier_options={"redis": {"timeout": 0.3}})
+        assert fresh.generate(PROMPTS[1:2], NEW) == [reference(model_path, PROMPTS[1])]
+        assert rstats(fresh)["errors"] >= 1 and rstats(fresh)["hits"] == 0
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    time.sleep(0.3)
+    again = decoder(model_path, server.url)
+    assert again.generate(PROMPTS[2:], NEW) == [reference(model_path, PROMPTS[2])]
+    assert rstats(again)["hits"] >= 5

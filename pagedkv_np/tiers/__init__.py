@@ -9,7 +9,8 @@ from .base import (FORMAT_VERSION, CorruptPage, PageFormat, PageRecord, Tier, Ti
                    TierUnavailable, decode_page, encode_page, page_key, tier_scope)
 from .disk import DiskTier
 from .fingerprint import model_fingerprint
-from .manager import TierManager, open_tiers
+from .config import open_tiers
+from .manager import TierManager
 
 __all__ = ["FORMAT_VERSION", "CorruptPage", "PageFormat", "PageRecord", "Tier", "TierStats",
            "TierUnavailable", "decode_page", "encode_page", "page_key", "tier_scope",
