@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench install clean
+.PHONY: test lint demo bench install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# ruff (settings in pyproject.toml), mypy, and the marker that ships the
+# package's type information
+lint: $(STAMP)
+	$(BIN)/ruff check pagedkv_np tests benchmarks scripts examples
+	$(BIN)/python -m mypy pagedkv_np
+	test -f pagedkv_np/py.typed
 
 demo: $(STAMP)
 	$(BIN)/python -m pagedkv_np demo

@@ -32,7 +32,8 @@ def _as_page_table(page_table: Any, num_pages: int) -> np.ndarray:
     except ValueError:  # ragged nested lists
         raise ShapeError("Invalid page_table: expected a 2-D table, got ragged rows") from None
     if arr.ndim != 2:
-        raise ShapeError(f"Invalid shape of page_table: expected 2 dimensions, got {list(arr.shape)}")
+        raise ShapeError(f"Invalid shape of page_table: expected 2 dimensions, "
+                         f"got {list(arr.shape)}")
     if arr.size and arr.dtype.kind not in "iu":
         raise DTypeError(f"Invalid dtype of page_table: expected integers, got {arr.dtype}")
     if arr.size and (int(arr.min()) < -1 or int(arr.max()) >= num_pages):
@@ -82,7 +83,7 @@ class PagedCache:
 
     def __init__(self, n_layers: int, n_pages: int, page_size: int, n_kv_heads: int,
                  head_dim: int, dtype: Any = "float32",
-                 backend: "str | Backend | None" = "auto",
+                 backend: str | Backend | None = "auto",
                  hash_secret: bytes | None = None) -> None:
         if resolve_quant(dtype) is not None:
             # write and gather move the seed's float arrays as they are
@@ -223,7 +224,7 @@ class PagedCache:
 
     # ------------------------------------------------------------- data moves
     def bind(self, page_table: Any, total_len: int | None = None,
-             seq_lens: Any = None) -> "CacheView":
+             seq_lens: Any = None) -> CacheView:
         """A :class:`CacheView` over ``page_table``.
 
         Differs from the seed: ``total_len=None`` (not 0) means "no trim".
@@ -339,7 +340,8 @@ class CacheView:
         if total_len is not None and (isinstance(total_len, bool)
                                       or not isinstance(total_len, numbers.Integral)
                                       or total_len < 0):
-            raise DTypeError(f"Invalid total_len: expected an integer >= 0 or None, got {total_len!r}")
+            raise DTypeError(f"Invalid total_len: expected an integer >= 0 or None, "
+                             f"got {total_len!r}")
         self._cache = cache
         self._page_table = _as_page_table(page_table, cache._store.num_pages)
         self._total_len = total_len

@@ -7,7 +7,8 @@ the same bytes (:mod:`.timing`) and yields one record with the keys of
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, TypedDict
+from collections.abc import Callable, Iterator
+from typing import Any, TypedDict
 
 import numpy as np
 

@@ -12,8 +12,9 @@ benchmark script and ``pagedkv bench``; the asv suite keeps its own.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
