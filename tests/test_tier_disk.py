@@ -351,3 +351,24 @@ def test_int8_pages_restart_from_disk(model_path, tmp_path):
     float_pages = decoder(model_path, tmp_path)      # another page format: never loaded
     float_pages.generate(PROMPTS[1:2], NEW)
     assert disk_stats(float_pages)["hits"] == 0
+
+
+def test_the_model_fingerprint_is_hashed_once_and_follows_the_file(tmp_path):
+    from pagedkv_np.tiers.fingerprint import MEMO_FILE, weights_digest
+    path = str(tmp_path / "m.onnx")
+    save_model(build_model(CONFIG), path)
+    first = decoder(path, tmp_path / "d")
+    memo = json.loads((tmp_path / "d" / MEMO_FILE).read_text())
+    import hashlib
+    with open(path, "rb") as f:
+        assert list(memo.values()) == [hashlib.blake2b(f.read(), digest_size=16).hexdigest()]
+    assert weights_digest(path, None) == weights_digest(path, str(tmp_path / "d"))
+    first.generate(PROMPTS[:1], NEW)
+    first.cache.tiers.flush(30)
+    # the same path, other weights of the same size: a new fingerprint, no hit
+    save_model(build_model(CONFIG, seed=7), path)
+    os.utime(path, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    second = decoder(path, tmp_path / "d")
+    assert second.cache.tiers.model_id != first.cache.tiers.model_id
+    assert second.generate(PROMPTS[:1], NEW) == [reference(path, PROMPTS[0])]
+    assert disk_stats(second)["hits"] == 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError, DTypeError
 from .base import Tier
+from .fingerprint import save_deferred
 
 __all__ = ["open_tiers", "SECRET_FILE"]
 
@@ -84,6 +85,7 @@ def open_tiers(disk_cache: Any = None, disk_cache_bytes: Any = None, redis_url: 
             disk = DiskTier(disk_cache, DEFAULT_DISK_BYTES if disk_cache_bytes is None
                             else disk_cache_bytes)
             tiers.append(disk)
+            save_deferred(disk.directory)     # the model's digest, kept for a restart
             if hash_secret is None:
                 hash_secret = _disk_secret(disk.directory)
         elif disk_cache_bytes is not None:

@@ -16,49 +16,74 @@ import os
 import threading
 from typing import Any, Iterable
 
-__all__ = ["model_fingerprint", "weights_digest", "files_digest"]
+__all__ = ["model_fingerprint", "weights_digest", "files_digest", "save_deferred"]
 
 _memo: dict[tuple, str] = {}
 _memo_lock = threading.Lock()
+_deferred: dict[str, dict[str, str]] = {}
 MEMO_FILE = "fingerprints.json"
+
+
+def _read_memo(memo_dir: str) -> dict:
+    try:
+        with open(os.path.join(memo_dir, MEMO_FILE), encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def _write_memo(memo_dir: str, entries: dict) -> None:
+    saved = _read_memo(memo_dir)
+    saved.update(entries)
+    path = os.path.join(memo_dir, MEMO_FILE)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(saved, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a cache of a cache: computed again next time
+
+
+def _remember(memo_dir: str, name: str, digest: str) -> None:
+    """Keep a digest in ``memo_dir``; until that directory exists (the disk
+    tier makes it a moment later), hold it for :func:`save_deferred`."""
+    if os.path.isdir(memo_dir):
+        if _read_memo(memo_dir).get(name) != digest:
+            _write_memo(memo_dir, {name: digest})
+    else:
+        with _memo_lock:
+            _deferred.setdefault(memo_dir, {})[name] = digest
+
+
+def save_deferred(directory: str) -> None:
+    """Write the digests held for ``directory`` now that it exists."""
+    with _memo_lock:
+        entries = _deferred.pop(os.path.abspath(directory), None)
+    if entries:
+        _write_memo(os.path.abspath(directory), entries)
 
 
 def _file_digest(path: str, memo_dir: str | None) -> str:
     st = os.stat(path)
     ident = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    with _memo_lock:
-        if ident in _memo:
-            return _memo[ident]
-    memo_path = None if memo_dir is None else os.path.join(memo_dir, MEMO_FILE)
     name = "|".join(map(str, ident))
-    saved: dict = {}
-    if memo_path is not None:
-        try:
-            with open(memo_path, encoding="utf-8") as f:
-                saved = json.load(f)
-            if isinstance(saved, dict) and isinstance(saved.get(name), str):
-                with _memo_lock:
-                    _memo[ident] = saved[name]
-                return saved[name]
-        except (OSError, ValueError):
-            saved = {}
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    digest = h.hexdigest()
+    with _memo_lock:
+        digest = _memo.get(ident)
+    if digest is None and memo_dir is not None:
+        found = _read_memo(memo_dir).get(name)
+        digest = found if isinstance(found, str) else None
+    if digest is None:
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 22), b""):
+                h.update(block)
+        digest = h.hexdigest()
     with _memo_lock:
         _memo[ident] = digest
-    if memo_path is not None:
-        try:
-            saved = saved if isinstance(saved, dict) else {}
-            saved[name] = digest
-            tmp = f"{memo_path}.{os.getpid()}.tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(saved, f)
-            os.replace(tmp, memo_path)
-        except OSError:
-            pass   # a cache of a cache: recomputed next time
+    if memo_dir is not None:
+        _remember(memo_dir, name, digest)
     return digest
 
 
@@ -96,13 +121,12 @@ def weights_digest(source: Any, proto: Any, memo_dir: Any = None) -> str:
     memo_dir : str, optional
         Where to keep file digests across processes (ignored unless a path).
     """
-    if not isinstance(memo_dir, (str, os.PathLike)) or not os.path.isdir(memo_dir):
-        memo_dir = None
+    memo_dir = (os.path.abspath(os.fspath(memo_dir))
+                if isinstance(memo_dir, (str, os.PathLike)) and os.fspath(memo_dir) else None)
     if isinstance(source, (bytes, bytearray, memoryview)):
         return hashlib.blake2b(bytes(source), digest_size=16).hexdigest()
     path = os.fspath(source)
-    return files_digest([path, *_external_files(proto, path)],
-                        None if memo_dir is None else os.fspath(memo_dir))
+    return files_digest([path, *_external_files(proto, path)], memo_dir)
 
 
 def model_fingerprint(weights: str, io: Any) -> str:
