@@ -18,7 +18,8 @@ import numpy as np
 from .backends import Backend
 from .cache import PagedKVCache
 from .chains import ChainEnds
-from .errors import DTypeError, OutOfPages, PageIdError, PageStateError, ShapeError
+from .errors import (DTypeError, OutOfPages, PagedKVError, PageIdError, PageStateError,
+                     ShapeError)
 from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
 from .quant import resolve_quant
 from .tokens import as_tokens
@@ -168,12 +169,34 @@ class PagedCache:
         the earlier pages must be recorded first (a page whose parent is not
         indexed is not recorded); the page must be in use (the seed silently
         leaked a recorded page with ref count 0); the logical page must be
-        full. Only the tokens up to the end of the page are checked: the
-        page's own and the one before it as token ids, the earlier ones by
-        comparing their values with those of the chain they were recorded in
-        (or as token ids, when no chain of theirs is kept).
+        full. A valid call checks the tokens up to the end of the page only:
+        the page's own and the one before it as token ids, the earlier ones
+        by comparing their values with those of the chain they were recorded
+        in (or as token ids, when no chain of theirs is kept).
         """
         tokens = _token_sequence(token_ids)
+        try:
+            page_id, logical, page = self._check_record(page_idx, tokens, logical_page_idx)
+        except PagedKVError:
+            as_tokens(token_ids, "token_ids")  # invalid token ids anywhere are named first
+            raise
+        chain = self._chains.parent(tokens, logical)
+        if chain is None:
+            return
+        before = self._index.identity(page_id)
+        digest, identity, indexed = self._index.insert(page_id, chain.digest, chain.identity,
+                                                       page)
+        if self._index.identity(page_id) != before:  # it left the prefix it held
+            self._chains.forget(page_id)
+        if indexed:
+            self._pool.mark_cached(page_id)
+        if identity is not None:  # None: a colliding hash, no child can follow
+            self._chains.extend(chain, tokens, page, digest, identity)
+
+    def _check_record(self, page_idx: Any, tokens: Any,
+                      logical_page_idx: Any) -> tuple[int, int, bytes]:
+        """The page id, the logical page index and that page's int64 token
+        bytes of a valid :meth:`record_page` call."""
         page_id = _page_id(page_idx, "page_idx", self._pool.num_pages)
         if isinstance(logical_page_idx, bool) or not isinstance(logical_page_idx, numbers.Integral):
             raise DTypeError("Invalid logical_page_idx: expected an integer")
@@ -187,18 +210,7 @@ class PagedCache:
         page = as_tokens(tokens[start:start + self.page_size], "token_ids").tobytes()
         if self._pool.ref_count(page_id) == 0:
             raise PageStateError(f"Invalid page_idx: page {page_id} is not in use")
-        chain = self._chains.parent(tokens, logical)
-        if chain is None:
-            return
-        before = self._index.identity(page_id)
-        digest, identity, indexed = self._index.insert(page_id, chain.digest, chain.identity,
-                                                       page)
-        if self._index.identity(page_id) != before:  # it left the prefix it held
-            self._chains.forget(page_id)
-        if indexed:
-            self._pool.mark_cached(page_id)
-        if identity is not None:  # None: a colliding hash, no child can follow
-            self._chains.extend(chain, tokens, page, digest, identity)
+        return page_id, logical, page
 
     def lookup_prefix(self, token_ids: Any) -> list[int]:
         """Pages holding the longest cached prefix of ``token_ids``.

@@ -663,3 +663,17 @@ def test_record_page_checks_the_tokens_it_reads():
     with pytest.raises(DTypeError, match="token_ids"):
         cache.record_page(pages[2], bad_first, 2)
     assert snapshot(cache) == before
+
+
+@pytest.mark.parametrize("args", [
+    (0, [1.5, 2.0], 0),            # too short for a page, and not ids
+    (99, list(range(4)) + [0.5], 0),  # a bad page id, and a bad id past the page
+    (0, list(range(4)) + [-3], 1.0),
+])
+def test_record_page_names_invalid_tokens_before_other_arguments(args):
+    cache = make()
+    cache.alloc()
+    before = snapshot(cache)
+    with pytest.raises(DTypeError, match="token_ids"):
+        cache.record_page(*args)
+    assert snapshot(cache) == before
