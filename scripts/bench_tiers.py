@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 from pagedkv_np.bench.timing import CopyBaseline  # noqa: E402
 
 PAGE_BYTES = 737_280
-SYSTEM_WORDS = (
+SYSTEM_PARAGRAPH = (
     "You are the assistant of a municipal library. Answer briefly and politely. The library "
     "opens at nine and closes at eight on weekdays, at five on Saturdays, and stays closed on "
     "Sundays and public holidays. Members may borrow up to twelve books, four films and two "
@@ -74,11 +74,12 @@ SYSTEM_WORDS = (
     "has reserved the item. Late returns cost twenty cents a day per item, capped at five "
     "euros. Membership is free for residents; others pay ten euros a year. The reading room "
     "on the second floor is silent; group study rooms can be booked for two hours a day. "
-    "Printing costs ten cents a page in black and white and fifty in colour. ").split()
+    "Printing costs ten cents a page in black and white and fifty in colour.")
 
 
 def system_text(num_words: int) -> str:
-    words = [SYSTEM_WORDS[i % len(SYSTEM_WORDS)] for i in range(num_words)]
+    paragraph = SYSTEM_PARAGRAPH.split(" ")
+    words = [paragraph[i % len(paragraph)] for i in range(num_words)]
     return " ".join(words)
 
 

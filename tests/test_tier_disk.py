@@ -32,6 +32,11 @@ PROMPTS = [SYSTEM + _rng.integers(0, CONFIG.vocab_size, n).tolist() for n in (3,
 OTHERS = [_rng.integers(0, CONFIG.vocab_size, 30).tolist() for _ in range(12)]
 
 
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("model") / "decoder.onnx")
@@ -205,7 +210,7 @@ def test_damaged_entries_are_never_served(model_path, tmp_path, damage):
     assert len(files) >= 5
     rng = np.random.default_rng(5)
     for path in files:
-        blob = bytearray(open(path, "rb").read())
+        blob = bytearray(read(path))
         if damage == "truncate":
             blob = blob[:int(rng.integers(1, len(blob)))]
         elif damage == "flip":
@@ -279,7 +284,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_wrong(model_path, tmp_path):
     valid = 0
     for path in entries(tmp_path):
         try:
-            decode_page(open(path, "rb").read())
+            decode_page(read(path))
             valid += 1
         except ValueError:
             pass
@@ -308,7 +313,7 @@ def test_two_processes_writing_the_same_pages_at_once(model_path, tmp_path):
         assert r["outs"] == want
         assert r["stats"]["disk"]["rejected"] == 0 and r["stats"]["disk"]["errors"] == 0
     for path in entries(tmp_path):
-        decode_page(open(path, "rb").read())       # every entry whole
+        decode_page(read(path))       # every entry whole
     dec = decoder(model_path, tmp_path)
     assert dec.generate(PROMPTS, NEW) == want[:3]
     assert disk_stats(dec)["hits"] >= 5 and disk_stats(dec)["rejected"] == 0

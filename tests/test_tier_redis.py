@@ -90,7 +90,8 @@ class Server:
                 return self
             except redis.ConnectionError:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.binary} did not start on port {self.port}")
+                    raise RuntimeError(
+                        f"{self.binary} did not start on port {self.port}") from None
                 time.sleep(0.05)
 
     def client(self):

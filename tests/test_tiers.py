@@ -23,6 +23,11 @@ from pagedkv_np.tiers.worker import WriteQueue
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 
 
+def read(path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def make_cache(directory, *, num_pages=32, dtype="float32", layout="NHD", model_id="model-a",
                **kw) -> PagedKVCache:
     return PagedKVCache(LAYERS, num_pages, PAGE, HEADS, DIM, dtype=dtype, layout=layout,
@@ -207,7 +212,7 @@ def test_an_entry_under_the_wrong_key_is_rejected_and_discarded(tmp_path, expect
     disk = a.tiers.tiers[0]
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(disk.root) for f in fs)
     assert len(files) == 4
-    blobs = {p: open(p, "rb").read() for p in files}
+    blobs = {p: read(p) for p in files}
     keys = {decode_page(b).key: p for p, b in blobs.items()}
     first = a.tiers.key(None, a.add_sequence(PROMPT)._digests[0])
     victim = keys[first]
@@ -220,7 +225,7 @@ def test_an_entry_under_the_wrong_key_is_rejected_and_discarded(tmp_path, expect
     assert b.stats.tiers["disk"]["rejected"] == 1
     check_kv(b, seq, PROMPT, expected_kv)
     b.tiers.flush(10)      # discarded, then written again by the cache that recomputed it
-    assert decode_page(open(victim, "rb").read()).key == first
+    assert decode_page(read(victim)).key == first
 
 
 def test_the_chain_stops_at_the_first_bad_page(tmp_path, expected_kv):

@@ -34,7 +34,8 @@ import struct
 import threading
 import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class Tier(abc.ABC):
         """The entry of each key, None where there is none (one round trip)."""
 
     @abc.abstractmethod
-    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         """Store ``(key, entry)`` pairs; returns which were stored."""
 
     def discard(self, keys: Sequence[bytes]) -> None:
@@ -143,7 +144,7 @@ class PageFormat:
     parts: tuple[tuple[tuple[int, ...], np.dtype], ...]
 
     @classmethod
-    def from_store(cls, store: Any) -> "PageFormat":
+    def from_store(cls, store: Any) -> PageFormat:
         arrays = [store.k, store.v]
         if store.k_scale is not None:
             arrays += [store.k_scale, store.v_scale]

@@ -33,7 +33,8 @@ def _disk_secret(directory: str) -> bytes:
             if len(secret) == 32:
                 return secret
             time.sleep(0.01)
-        raise ConfigError(f"Invalid disk_cache: {path!r} does not hold a 32-byte secret")
+        raise ConfigError(
+            f"Invalid disk_cache: {path!r} does not hold a 32-byte secret") from None
     secret = os.urandom(32)
     with os.fdopen(fd, "wb") as f:
         f.write(secret)

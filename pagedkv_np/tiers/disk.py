@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ConfigError, DTypeError
 from ..layout import check_positive_int
@@ -57,7 +57,7 @@ class DiskTier(Tier):
 
     name = "disk"
 
-    def __init__(self, directory: "str | os.PathLike", max_bytes: int = DEFAULT_DISK_BYTES
+    def __init__(self, directory: str | os.PathLike, max_bytes: int = DEFAULT_DISK_BYTES
                  ) -> None:
         super().__init__()
         if isinstance(directory, bool) or not isinstance(directory, (str, os.PathLike)):
@@ -104,7 +104,7 @@ class DiskTier(Tier):
                 pass
         return out
 
-    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         stored = []
         tag = f"{os.getpid()}.{threading.get_ident()}"
         for key, blob in items:

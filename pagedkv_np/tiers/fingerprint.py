@@ -14,7 +14,8 @@ import hashlib
 import json
 import os
 import threading
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 __all__ = ["model_fingerprint", "weights_digest", "files_digest", "save_deferred"]
 

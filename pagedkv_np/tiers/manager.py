@@ -27,7 +27,8 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class _Pending:
     parent_digest: bytes
     tokens: bytes
     arrays: list | None = None
-    blob: "bytes | memoryview | None" = None    # an entry already encoded (a promotion)
+    blob: bytes | memoryview | None = None    # an entry already encoded (a promotion)
     targets: tuple = ()             # tier indexes; () = every tier
 
 
@@ -357,7 +358,7 @@ def attach_tiers(tiers: list[Tier], pool: Any, store: Any, index: Any, lock: Any
     return manager
 
 
-def flat_stats(manager: "TierManager | None") -> dict[str, float]:
+def flat_stats(manager: TierManager | None) -> dict[str, float]:
     """The tiers' counters as flat ``tier_<name>_<counter>`` entries."""
     if manager is None:
         return {}

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import time
 import urllib.parse
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from ..errors import ConfigError, DTypeError
 from .base import Tier, TierUnavailable
@@ -43,10 +44,12 @@ def _check_url(url: str) -> str:
                           f"{', '.join(_SCHEMES)}")
     parts = urllib.parse.urlsplit(url)
     try:
-        parts.port
+        port = parts.port
     except ValueError:
+        port = 0
+    if port == 0:
         raise ConfigError(f"Invalid redis_url: {url!r} has a port that is not a number "
-                          "in [0, 65535]") from None
+                          "in [1, 65535]")
     if parts.scheme == "unix":
         if not parts.path:
             raise ConfigError(f"Invalid redis_url: {url!r} names no socket path")
@@ -148,7 +151,7 @@ class RedisTier(Tier):
         names = self._names(keys)
         return list(self._call(lambda p: [p.get(n) for n in names]))
 
-    def put(self, items: Sequence[tuple[bytes, "bytes | memoryview"]]) -> list[bool]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         names = self._names([k for k, _ in items])
         ttl = self.ttl
         replies = self._call(lambda p: [p.set(n, blob, ex=ttl)
