@@ -31,7 +31,8 @@ import tempfile
 import threading
 import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
+from collections.abc import Callable, Iterable
 
 if TYPE_CHECKING:
     from .backends.numba_cpu import NumbaBackend

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, Sequence, TypeVar
+from typing import Any, TypeVar
+from collections.abc import Sequence
 
 import numpy as np
 

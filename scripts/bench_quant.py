@@ -61,14 +61,47 @@ def _ratios(op, copies, rounds: int, min_time: float) -> tuple[float, float, flo
             min(ratios), max(ratios))
 
 
+def _write_line(backend, arrays, layout, slots, in_dtype, rng, baseline, rounds, min_time):
+    dt = resolve_dtype(in_dtype)
+    shape = (len(slots), NUM_HEADS, HEAD_DIM)
+    k = backend.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dt))
+    v = backend.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dt))
+
+    def write():
+        backend.write_quantized(*arrays, 0, slots, k, v, layout=layout, check_indices=False)
+
+    nbytes = k.nbytes + v.nbytes
+    t, med, lo, hi = _ratios(write, baseline.copies(2 * nbytes, backend), rounds, min_time)
+    return (f"  write  {layout} from {in_dtype:8s}          {t * 1e3:8.1f} ms  "
+            f"ratio {med:.2f} [{lo:.2f}, {hi:.2f}]")
+
+
+def _gather_line(backend, arrays, layout, out_layout, out_dtype, table, seq_lens, baseline,
+                 rounds, min_time):
+    batch = table.shape[0]
+    shape = ((batch, SEQ_LEN, NUM_HEADS, HEAD_DIM) if out_layout == "BTHD"
+             else (batch, NUM_HEADS, SEQ_LEN, HEAD_DIM))
+    out = (backend.zeros(shape, resolve_dtype(out_dtype)),
+           backend.zeros(shape, resolve_dtype(out_dtype)))
+
+    def gather():
+        backend.gather_quantized(*arrays, 0, table, seq_lens, layout=layout,
+                                 out_layout=out_layout, out=out, check_indices=False)
+
+    nbytes = out[0].nbytes + out[1].nbytes
+    t, med, lo, hi = _ratios(gather, baseline.copies(2 * nbytes, backend), rounds, min_time)
+    matched = (layout, out_layout) in (("NHD", "BTHD"), ("HND", "BHTD"))
+    tag = " (layout-matched)" if matched else ""
+    return (f"  gather {layout} -> {out_layout} {out_dtype:8s}  {t * 1e3:8.1f} ms  "
+            f"ratio {med:.2f} [{lo:.2f}, {hi:.2f}]{tag}")
+
+
 def speed(backend_name: str, rounds: int, quick: bool) -> None:
     backend = get_backend(backend_name)
     batch = 4 if quick else BATCH
-    num_tokens = batch * SEQ_LEN
-    num_pages = num_tokens // PAGE_SIZE
+    num_pages = batch * SEQ_LEN // PAGE_SIZE
     rng = np.random.default_rng(0)
-    pages = rng.permutation(num_pages).astype(np.int32)
-    table = pages.reshape(batch, -1)
+    table = rng.permutation(num_pages).astype(np.int32).reshape(batch, -1)
     seq_lens = np.full(batch, SEQ_LEN, np.int32)
     pos = np.arange(SEQ_LEN)
     slots = np.concatenate([table[b, pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
@@ -84,43 +117,12 @@ def speed(backend_name: str, rounds: int, quick: bool) -> None:
                             dtype="int8", layout=layout, backend=backend)
             arrays = (store.k, store.v, store.k_scale, store.v_scale)
             for in_dtype in ("float32", "float16"):
-                dt = resolve_dtype(in_dtype)
-                k = backend.asarray(rng.standard_normal((num_tokens, NUM_HEADS, HEAD_DIM),
-                                                        dtype=np.float32).astype(dt))
-                v = backend.asarray(rng.standard_normal((num_tokens, NUM_HEADS, HEAD_DIM),
-                                                        dtype=np.float32).astype(dt))
-
-                def write():
-                    backend.write_quantized(*arrays, 0, slots, k, v, layout=layout,
-                                            check_indices=False)
-
-                nbytes = k.nbytes + v.nbytes
-                t, med, lo, hi = _ratios(write, baseline.copies(2 * nbytes, backend), rounds,
-                                         min_time)
-                print(f"  write  {layout} from {in_dtype:8s}          {t * 1e3:8.1f} ms  "
-                      f"ratio {med:.2f} [{lo:.2f}, {hi:.2f}]")
-                del k, v
+                print(_write_line(backend, arrays, layout, slots, in_dtype, rng, baseline,
+                                  rounds, min_time))
             for out_layout in ("BTHD", "BHTD"):
-                matched = (layout, out_layout) in (("NHD", "BTHD"), ("HND", "BHTD"))
                 for out_dtype in ("float32", "float16"):
-                    shape = ((batch, SEQ_LEN, NUM_HEADS, HEAD_DIM) if out_layout == "BTHD"
-                             else (batch, NUM_HEADS, SEQ_LEN, HEAD_DIM))
-                    out = (backend.zeros(shape, resolve_dtype(out_dtype)),
-                           backend.zeros(shape, resolve_dtype(out_dtype)))
-
-                    def gather():
-                        backend.gather_quantized(*arrays, 0, table, seq_lens, layout=layout,
-                                                 out_layout=out_layout, out=out,
-                                                 check_indices=False)
-
-                    nbytes = out[0].nbytes + out[1].nbytes
-                    t, med, lo, hi = _ratios(gather, baseline.copies(2 * nbytes, backend),
-                                             rounds, min_time)
-                    tag = " (layout-matched)" if matched else ""
-                    print(f"  gather {layout} -> {out_layout} {out_dtype:8s}  {t * 1e3:8.1f} ms  "
-                          f"ratio {med:.2f} [{lo:.2f}, {hi:.2f}]{tag}")
-                    del out
-            del store, arrays
+                    print(_gather_line(backend, arrays, layout, out_layout, out_dtype, table,
+                                       seq_lens, baseline, rounds, min_time))
     finally:
         baseline.close()
 
@@ -144,7 +146,8 @@ def quality() -> None:
         return float(np.sqrt(((x - y) ** 2).mean() / (y ** 2).mean()))
 
     print(f"RMS error / RMS signal, {n} tokens x {heads} x {dim} (the format uses {GROUP_SIZE})")
-    print(f"  {'values per scale':18s} {'bytes/value':>11s} {'K outliers':>11s} {'V gaussian':>11s}")
+    print(f"  {'values per scale':18s} {'bytes/value':>11s} {'K outliers':>11s} "
+          f"{'V gaussian':>11s}")
     for group in (32, 64, 128):
         print(f"  {group:<18d} {1 + 4 / group:11.4f} {rel(round_trip(k, group), k):11.5f} "
               f"{rel(round_trip(v, group), v):11.5f}")

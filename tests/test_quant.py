@@ -236,7 +236,7 @@ def assert_holds(cache, seqs, tokens_of, layout="BTHD", dtype="float32", in_dtyp
         assert k.dtype == resolve_dtype(dtype)
         if layout == "BHTD":
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        for b, seq in enumerate(seqs):
+        for b in range(len(seqs)):
             toks = tokens_of[b]
             n = len(toks)
             for got, want in zip((k[b], v[b]), model_kv(toks, layer, in_dtype)):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from ..errors import BackendUnavailable, ConfigError
 from .base import Backend
@@ -54,7 +54,7 @@ def _load_class(name: str):
     return getattr(module, class_name)
 
 
-def get_backend(name: "str | Backend | None" = None) -> Backend:
+def get_backend(name: str | Backend | None = None) -> Backend:
     """Return the backend called ``name`` (an instance passes through).
 
     ``None`` or ``"auto"`` gives :func:`default_backend_name`.

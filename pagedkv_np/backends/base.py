@@ -126,7 +126,7 @@ class Backend:
         k: Any,
         v: Any,
         *,
-        layout: "str | StoreLayout" = StoreLayout.NHD,
+        layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
         check_store: bool = True,
     ) -> None:
@@ -134,8 +134,9 @@ class Backend:
 
         Parameters
         ----------
-        k_cache, v_cache : array, shape [num_layers, num_pages, page_size, num_kv_heads, head_dim] (NHD) or [.., num_kv_heads, page_size, head_dim] (HND)
-            The store, written in place.
+        k_cache, v_cache : array, shape [num_layers, num_pages, *page, head_dim]
+            The store, written in place; a page is ``[page_size, num_kv_heads]``
+            rows (NHD) or ``[num_kv_heads, page_size]`` (HND).
         layer : int
             Layer index, ``0 <= layer < num_layers``.
         slot_mapping : ndarray, shape [N], dtype int32
@@ -176,8 +177,8 @@ class Backend:
         page_table: np.ndarray,
         seq_lens: np.ndarray,
         *,
-        layout: "str | StoreLayout" = StoreLayout.NHD,
-        out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+        layout: str | StoreLayout = StoreLayout.NHD,
+        out_layout: str | OutputLayout = OutputLayout.BTHD,
         out: tuple[Any, Any] | None = None,
         num_positions: int | None = None,
         check_indices: bool = True,
@@ -273,7 +274,7 @@ class Backend:
         src_pages: np.ndarray,
         dst_pages: np.ndarray,
         *,
-        layout: "str | StoreLayout" = StoreLayout.NHD,
+        layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
     ) -> None:
         """Copy whole pages, every layer, K and V: ``dst_pages[i] <- src_pages[i]``.
@@ -328,7 +329,7 @@ class Backend:
         k: Any,
         v: Any,
         *,
-        layout: "str | StoreLayout" = StoreLayout.NHD,
+        layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
     ) -> None:
         """Quantize the K/V of ``N`` tokens into their slots of an int8 store.
@@ -374,8 +375,8 @@ class Backend:
         page_table: np.ndarray,
         seq_lens: np.ndarray,
         *,
-        layout: "str | StoreLayout" = StoreLayout.NHD,
-        out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+        layout: str | StoreLayout = StoreLayout.NHD,
+        out_layout: str | OutputLayout = OutputLayout.BTHD,
         out: tuple[Any, Any] | None = None,
         num_positions: int | None = None,
         dtype: Any = None,

@@ -450,7 +450,7 @@ class CupyBackend(Backend):
 
     # ------------------------------------------------------------- public ops
     def write(self, k_cache: Any, v_cache: Any, layer: int, slot_mapping: np.ndarray,
-              k: Any, v: Any, *, layout: "str | StoreLayout" = StoreLayout.NHD,
+              k: Any, v: Any, *, layout: str | StoreLayout = StoreLayout.NHD,
               check_indices: bool = True, check_store: bool = True) -> None:
         """As :meth:`Backend.write`; ``k`` and ``v`` may also be host NumPy
         arrays (uploaded) or CUDA arrays of other libraries (used in place)."""
@@ -460,8 +460,8 @@ class CupyBackend(Backend):
                           check_indices=check_indices, check_store=check_store)
 
     def gather(self, k_cache: Any, v_cache: Any, layer: int, page_table: np.ndarray,
-               seq_lens: np.ndarray, *, layout: "str | StoreLayout" = StoreLayout.NHD,
-               out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+               seq_lens: np.ndarray, *, layout: str | StoreLayout = StoreLayout.NHD,
+               out_layout: str | OutputLayout = OutputLayout.BTHD,
                out: tuple[Any, Any] | None = None, num_positions: int | None = None,
                check_indices: bool = True) -> tuple[Any, Any]:
         """As :meth:`Backend.gather`; ``out`` may also hold CUDA arrays of
@@ -477,7 +477,7 @@ class CupyBackend(Backend):
 
     def write_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                         layer: int, slot_mapping: np.ndarray, k: Any, v: Any, *,
-                        layout: "str | StoreLayout" = StoreLayout.NHD,
+                        layout: str | StoreLayout = StoreLayout.NHD,
                         check_indices: bool = True) -> None:
         """As :meth:`Backend.write_quantized`; ``k`` and ``v`` as in :meth:`write`."""
         k, v = self._input(k, "k"), self._input(v, "v")
@@ -488,8 +488,8 @@ class CupyBackend(Backend):
 
     def gather_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                          layer: int, page_table: np.ndarray, seq_lens: np.ndarray, *,
-                         layout: "str | StoreLayout" = StoreLayout.NHD,
-                         out_layout: "str | OutputLayout" = OutputLayout.BTHD,
+                         layout: str | StoreLayout = StoreLayout.NHD,
+                         out_layout: str | OutputLayout = OutputLayout.BTHD,
                          out: tuple[Any, Any] | None = None, num_positions: int | None = None,
                          dtype: Any = None, check_indices: bool = True) -> tuple[Any, Any]:
         """As :meth:`Backend.gather_quantized`; ``out`` as in :meth:`gather`."""
@@ -504,7 +504,7 @@ class CupyBackend(Backend):
                 check_indices=check_indices)
 
     def copy_pages(self, k_cache: Any, v_cache: Any, src_pages: np.ndarray,
-                   dst_pages: np.ndarray, *, layout: "str | StoreLayout" = StoreLayout.NHD,
+                   dst_pages: np.ndarray, *, layout: str | StoreLayout = StoreLayout.NHD,
                    check_indices: bool = True) -> None:
         """As :meth:`Backend.copy_pages`."""
         with self._on_store_device(k_cache, {"v_cache": v_cache}):
