@@ -2,8 +2,8 @@
 
 Why files and not SQLite: for pages of a real model (737 KB for
 SmolLM2-135M at 16 tokens a page, float32) files written whole and renamed
-into place wrote 2-6x and read 1.4-3.4x faster than BLOBs in an SQLite
-table in WAL mode on these machines, over four runs (``scripts/bench_tiers.py
+into place wrote 2-9x and read 1.4-3.4x faster than BLOBs in an SQLite
+table in WAL mode on these machines, over five runs (``scripts/bench_tiers.py
 store``), and a rename is as atomic as a transaction for one entry.
 
 How it stays correct with several processes on one directory, and after a
