@@ -361,3 +361,87 @@ def test_a_hung_server_costs_a_timeout_not_a_stall(model_path, server):
     again = decoder(model_path, server.url)
     assert again.generate(PROMPTS[2:], NEW) == [reference(model_path, PROMPTS[2])]
     assert rstats(again)["hits"] >= 5
+
+
+class TLSFront:
+    """A TLS endpoint on 127.0.0.1 (Python's ssl, a self-signed certificate
+    made with the openssl command) forwarding to the real server: what a
+    TLS-enabled server or a stunnel in front of one looks like to a client."""
+
+    def __init__(self, workdir, backend_port):
+        import ssl
+        import threading
+        self.cert = os.path.join(str(workdir), "cert.pem")
+        key = os.path.join(str(workdir), "key.pem")
+        openssl = shutil.which("openssl")
+        if openssl is None:
+            pytest.fail("the TLS test needs the openssl command (apt-get install openssl)")
+        subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                        "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", key, "-out", self.cert], check=True, capture_output=True)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(self.cert, key)
+        self.backend_port = backend_port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self._threading = threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import ssl
+        while True:
+            try:
+                raw, _ = self.listener.accept()
+            except OSError:
+                return
+            try:
+                conn = self.context.wrap_socket(raw, server_side=True)
+            except (ssl.SSLError, OSError):
+                raw.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.backend_port))
+            for a, b in ((conn, upstream), (upstream, conn)):
+                self._threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src, dst):
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self):
+        self.listener.close()
+
+
+def test_tls_settings_are_passed_through(model_path, server, tmp_path):
+    front = TLSFront(tmp_path, server.port)
+    try:
+        url = f"rediss://127.0.0.1:{front.port}/0"
+        opts = {"redis": {"client_options": {"ssl_ca_certs": front.cert}}}
+        a = decoder(model_path, url, tier_options=opts)
+        assert a.generate(PROMPTS[:1], NEW) == [reference(model_path, PROMPTS[0])]
+        a.cache.tiers.flush(30)
+        assert rstats(a)["pages_written"] >= 5 and rstats(a)["errors"] == 0
+        assert len(values(server)) >= 5          # the pages went through to the server
+        b = decoder(model_path, url, tier_options=opts)
+        assert b.generate(PROMPTS[1:2], NEW) == [reference(model_path, PROMPTS[1])]
+        assert rstats(b)["hits"] >= 5
+        # without the CA the certificate does not verify: no tier, right tokens
+        c = decoder(model_path, url, tier_options={"redis": {"timeout": 0.5}})
+        assert c.generate(PROMPTS[2:], NEW) == [reference(model_path, PROMPTS[2])]
+        assert rstats(c)["errors"] >= 1 and rstats(c)["hits"] == 0
+    finally:
+        front.close()
