@@ -346,3 +346,16 @@ def test_ort_decoder_with_int8_pages_holds_the_round_trip_of_the_prompt():
             assert np.array_equal(bits(got), bits(dequantize(*quantize(ref))))
     out = decoders["int8"].generate([prompt], 8)
     assert len(out[0]) == 8
+
+
+def test_ort_decoder_kv_dtype_is_the_models_or_int8():
+    from pagedkv_np.onnxruntime import OrtDecoder
+    from pagedkv_np.onnxruntime.testmodel import build_model
+
+    model = build_model().SerializeToString()
+    for bad in ("float16", "float64", "int4"):
+        with pytest.raises(DTypeError, match="kv_dtype"):
+            OrtDecoder(model, num_pages=8, page_size=PAGE_SIZE, backend="numpy", kv_dtype=bad)
+    dec = OrtDecoder(model, num_pages=8, page_size=PAGE_SIZE, backend="numpy",
+                     kv_dtype="float32")
+    assert dec.cache.dtype == np.float32

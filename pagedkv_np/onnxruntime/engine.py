@@ -54,7 +54,8 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError, RequestFailed
-from ..layout import check_positive_int, shown
+from ..layout import check_positive_int, resolve_dtype, shown
+from ..quant import resolve_quant
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
 from ..tiers.manager import flat_stats
@@ -114,9 +115,10 @@ class OrtDecoder(TextGenerationMixin):
         ``[batch, kv_heads, T, head_dim]`` past and present do, so that page
         writes and gathers move longer runs than with NHD (as fast or up
         to 2x faster, most for 16-bit data).
-    kv_dtype : {"int8", "float32", "float16", "bfloat16"}, optional
-        dtype of the pages (default: the model's K/V dtype); ``"int8"``
-        holds 3.5x the tokens of float32 pages (see :mod:`pagedkv_np.quant`).
+    kv_dtype : {None, "int8"} or the model's K/V dtype, optional
+        dtype of the pages: the model's K/V dtype (the default) or
+        ``"int8"``, which holds 3.5x the tokens of float32 pages (see
+        :mod:`pagedkv_np.quant`).
     enable_prefix_caching : bool
         When False, every prompt is computed in full (for comparison).
     partial_page_reuse : bool
@@ -181,6 +183,11 @@ class OrtDecoder(TextGenerationMixin):
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]
         self.max_positions: int | None = min(limits) if limits else None
+        if kv_dtype is not None and resolve_quant(kv_dtype) is None \
+                and resolve_dtype(kv_dtype, "kv_dtype") != io.dtype:
+            # the model's K/V are written and read back as they are
+            raise DTypeError(f"Invalid kv_dtype: the model's K/V are {io.dtype}, so pages "
+                             f"hold {io.dtype} or int8, got {kv_dtype!r}")
         self.cache = PagedKVCache(io.num_layers, num_pages, page_size, io.num_kv_heads,
                                   io.head_dim, dtype=io.dtype if kv_dtype is None else kv_dtype,
                                   layout=layout, backend=backend,
