@@ -281,6 +281,18 @@ def worker(args) -> int:
     return 0
 
 
+def detokenizer_seconds(dec, outputs: list[list[int]]) -> float:
+    """CPU seconds the server's engine thread spends turning the workload's
+    tokens into streamed text (one TextStream per request, a token at a time)."""
+    t = time.process_time()
+    for toks in outputs:
+        stream = dec.text_stream()
+        for tok in toks:
+            stream.push([tok])
+        stream.finish()
+    return time.process_time() - t
+
+
 def summarize(run: dict, wants: list[str]) -> dict:
     results = run["results"]
     errors = [r["error"] for r in results if "error" in r]
@@ -326,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
           f"prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
           f"{args.max_tokens} new tokens each, greedy, max batch {args.max_batch_size}")
     t = time.perf_counter()
-    wants = [dec.text.decode(dec.generate([ids], max_new_tokens=args.max_tokens,
-                                          salt="reference")[0]) for ids in prompts]
+    outputs = [dec.generate([ids], max_new_tokens=args.max_tokens, salt="reference")[0]
+               for ids in prompts]
+    wants = [dec.text.decode(toks) for toks in outputs]
     print(f"references: each request alone in-process ({time.perf_counter() - t:.1f} s)")
+    detok = detokenizer_seconds(dec, outputs)
+    num_ref_tokens = sum(len(toks) for toks in outputs)
     del dec
     with_reuse = Server(args)
     without_reuse = Server(args, "--no-prefix-caching")
@@ -377,13 +392,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nHTTP layer cost in throughput (wall clock): {cost * 100:.1f}% (goal <= 5%)")
     print(f"HTTP layer cost in CPU per token: server {cpu_cost * 100:.1f}%, clients "
           f"{client_cpu / engine_cpu * 100:.1f}% more (the clients run on the same cores)")
-    print(f"the server's event-loop thread (all of its HTTP work): "
-          f"{med['http']['loop_cpu_share'] * 100:.1f}% of the server's CPU")
+    detok_ms = detok / num_ref_tokens * 1e3
+    print(f"the server's event-loop thread (parsing, tokenizing, SSE): "
+          f"{med['http']['loop_cpu_share'] * 100:.1f}% of the server's CPU; streaming "
+          f"detokenization in the engine thread: {detok_ms:.3f} ms per token "
+          f"({detok_ms / http_cpu * 100:.2f}% of the server's CPU per token)")
     print(f"TTFT p50 without / with prefix reuse: {ratio:.1f}x")
     if args.json:
         Path(args.json).write_text(json.dumps({"rounds": rows, "medians": med,
                                                "http_cost": cost, "http_cpu_cost": cpu_cost,
                                                "loop_cpu_share": med["http"]["loop_cpu_share"],
+                                               "detok_ms_per_token": detok_ms,
                                                "ttft_ratio": ratio},
                                               indent=1))
     return 0

@@ -732,6 +732,22 @@ class TestShutdown:
                 s.proc.stdout.close()
 
 
+class TestCommandLine:
+    @pytest.mark.parametrize("args, says", [
+        (["/no/such/model.gguf"], "cannot load the model"),
+        (["--num-pages", "0"], "num_pages"),
+        (["--max-queue", "0"], "--max-queue"),
+    ])
+    def test_bad_arguments_exit_2(self, folder, args, says):
+        if args[0].startswith("--"):
+            args = [str(folder), *args]
+        done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", *args,
+                               "--port", str(free_port())], capture_output=True, text=True,
+                              timeout=300, cwd=ROOT)
+        assert done.returncode == 2
+        assert says in done.stderr
+
+
 class TestDocs:
     def test_doc_examples_run(self, folder):
         args = [a for a in doc_serve_args() if not a.endswith(".gguf")]
