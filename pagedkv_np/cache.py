@@ -29,8 +29,9 @@ import itertools
 import numbers
 import sys
 import threading
+from collections.abc import Sequence as SequenceT
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterable, Sequence as SequenceT
+from typing import Any
 
 import numpy as np
 
@@ -41,6 +42,7 @@ from .errors import (AllocationError, ConfigError, DTypeError, OutOfPages, Paged
 from .layout import (OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype,
                      shown)
 from .plan import Plan, build_plan
+from .plan_state import PlanState, PlanTable
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
 from .store import KVStore
@@ -112,6 +114,11 @@ class Sequence:
         return self._num_tokens
 
     @property
+    def version(self) -> int:
+        """Bumped whenever the sequence reserves or releases pages."""
+        return self._version
+
+    @property
     def num_computed_tokens(self) -> int:
         """Tokens covered by a plan (their K/V is written or being written)."""
         return self._num_computed
@@ -156,7 +163,8 @@ class CacheStats:
     @property
     def prefix_hit_rate(self) -> float:
         """Hit tokens / queried tokens (0.0 before any query)."""
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        queried = self.prefix_query_tokens
+        return self.prefix_hit_tokens / queried if queried else 0.0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -208,8 +216,8 @@ class PagedKVCache:
         head_dim: int,
         *,
         dtype: Any = "float32",
-        layout: "str | StoreLayout" = "NHD",
-        backend: "str | Backend | None" = "auto",
+        layout: str | StoreLayout = "NHD",
+        backend: str | Backend | None = "auto",
         memory_bytes: int | None = None,
         hash_secret: bytes | None = None,
         enable_prefix_caching: bool = True,
@@ -245,6 +253,7 @@ class PagedKVCache:
         self._epoch = 0
         self._seq_ids = itertools.count()
         self._live: dict[int, Sequence] = {}
+        self._plans = PlanTable()
 
     # ------------------------------------------------------------ properties
     num_layers = property(lambda self: self.store.num_layers)
@@ -281,7 +290,7 @@ class PagedKVCache:
             )
 
     # ------------------------------------------------------------- sequences
-    def add_sequence(self, prompt: Any, salt: "str | bytes | int | None" = None) -> Sequence:
+    def add_sequence(self, prompt: Any, salt: str | bytes | int | None = None) -> Sequence:
         """Start a sequence for ``prompt``, holding the pages of its cached prefix.
 
         At most ``len(prompt) - 1`` tokens are served from the cache, so the
@@ -486,9 +495,9 @@ class PagedKVCache:
                 seen.add(seq.seq_id)
             plan = build_plan([s._page_ids for s in seqs], [s._num_tokens for s in seqs],
                               [s._num_computed for s in seqs], self.page_size,
-                              [s.seq_id for s in seqs], self._owner, self._epoch,
-                              tuple(seqs), tuple(s._version for s in seqs), self.num_layers,
+                              [s.seq_id for s in seqs],
                               page_arrays=[s._page_array() for s in seqs])
+            self._plans.add(plan, PlanState(self._epoch, tuple(seqs), self.num_layers))
             for seq in seqs:
                 seq._num_computed = seq._num_tokens
             return plan
@@ -507,7 +516,7 @@ class PagedKVCache:
             share memory with the store.
         """
         with self._lock:
-            self._check_plan(plan)
+            state = self._check_plan(plan)
             # The store was checked when it was made and the plan when it was
             # built: what is left to check is the layer and the data, and then
             # the backend's kernel can be called directly.
@@ -518,8 +527,8 @@ class PagedKVCache:
                 backend.write_quantized(store.k, store.v, store.k_scale, store.v_scale, layer,
                                         plan.slot_mapping, k, v, layout=store.layout,
                                         check_indices=False)
-                if plan._mark_written(layer):
-                    self._plan_written(plan)
+                if state.mark_written(layer):
+                    self._plan_written(plan, state)
                 return
             shape = (plan.slot_mapping.shape[0], store.num_kv_heads, store.head_dim)
             check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
@@ -527,10 +536,10 @@ class PagedKVCache:
             backend.check_sources((k, v), (store.k, store.v))
             if shape[0]:
                 backend._write(*self._kernel_store, layer, plan.slot_mapping, k, v, store.layout)
-            if plan._mark_written(layer):
-                self._plan_written(plan)
+            if state.mark_written(layer):
+                self._plan_written(plan, state)
 
-    def gather(self, layer: int, plan: Plan, layout: "str | OutputLayout" = "BHTD",
+    def gather(self, layer: int, plan: Plan, layout: str | OutputLayout = "BHTD",
                out: tuple[Any, Any] | None = None,
                num_positions: int | None = None, dtype: Any = None) -> tuple[Any, Any]:
         """Gather one layer's K/V of the plan's sequences into contiguous arrays.
@@ -611,6 +620,12 @@ class PagedKVCache:
                                    out_layout=layout, out=out,
                                    num_positions=num_positions, check_indices=False)
 
+    def is_written(self, plan: Plan) -> bool:
+        """Whether every layer has been written through ``plan`` (a plan of
+        this cache)."""
+        with self._lock:
+            return self._plan_state(plan).is_written
+
     def discard(self, plan: Plan) -> None:
         """Take back ``plan``: its K/V was not (fully) written, say because
         the model call failed.
@@ -622,17 +637,14 @@ class PagedKVCache:
         are then never indexed.
         """
         with self._lock:
-            if not isinstance(plan, Plan):
-                raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
-            if plan._owner != self._owner:
-                raise StalePlanError("Invalid plan: it was built by another cache")
-            if plan.is_written and plan.num_new_tokens:
+            state = self._plan_state(plan)
+            if state.is_written and plan.num_new_tokens:
                 raise StalePlanError(
                     "Invalid plan: every layer of it was written, so its pages may already "
                     "be shared; release the sequences instead")
-            plan._discard()
+            state.discarded = True
             context_lens = plan.context_lens
-            for b, seq in enumerate(plan._seqs):
+            for b, seq in enumerate(state.seqs):
                 if not seq._released and seq._num_computed == plan.seq_lens[b]:
                     seq._num_computed = int(context_lens[b])
 
@@ -685,19 +697,26 @@ class PagedKVCache:
         if seq._released:
             raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
 
-    def _check_plan(self, plan: Any) -> None:
+    def _plan_state(self, plan: Any) -> PlanState:
+        """This cache's record of ``plan``, else a typed error."""
         if not isinstance(plan, Plan):
             raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
-        if plan._owner != self._owner:
+        state = self._plans.get(plan)
+        if state is None:
             raise StalePlanError("Invalid plan: it was built by another cache")
-        if plan.is_discarded:
+        return state
+
+    def _check_plan(self, plan: Any) -> PlanState:
+        """The record of ``plan`` if it may be written or gathered now."""
+        state = self._plan_state(plan)
+        if state.discarded:
             raise StalePlanError("Invalid plan: it was discarded")
-        if plan._epoch == self._epoch:  # nothing was reserved or released since
-            return
-        if any(s._version != v for s, v in zip(plan._seqs, plan._versions)):
+        if state.epoch != self._epoch and not state.is_current():
+            # (the same epoch: nothing was reserved or released since)
             raise StalePlanError(
                 "Invalid plan: one of its sequences was extended or released since it "
                 "was built; build a new plan")
+        return state
 
     def _last_page_shared(self, seq: Sequence) -> bool:
         return (seq._num_tokens % self.page_size != 0
@@ -709,10 +728,10 @@ class PagedKVCache:
         total = -(-(seq._num_tokens + n) // self.page_size)
         return total - len(seq._page_ids) + int(self._last_page_shared(seq))
 
-    def _plan_written(self, plan: Plan) -> None:
+    def _plan_written(self, plan: Plan, state: PlanState) -> None:
         """Every layer of ``plan`` is written: its full pages may be shared."""
         context_lens, seq_lens = plan.context_lens.tolist(), plan.seq_lens.tolist()
-        for b, seq in enumerate(plan._seqs):
+        for b, seq in enumerate(state.seqs):
             # a hole (a discarded plan before this one) stops the written run
             if seq._released or seq._num_written < context_lens[b]:
                 continue

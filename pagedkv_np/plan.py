@@ -23,51 +23,28 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["Plan", "build_plan", "LOOP_MAX_TOKENS"]
+__all__ = ["Plan", "build_plan", "LOOP_MAX_TOKENS", "LIST_MAX_ENTRIES"]
 
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """Index arrays of one step (see the module docstring)."""
+    """Index arrays of one step (see the module docstring).
+
+    A plan is data only: the cache that built it keeps what it needs to know
+    about it (whether it is current, which layers were written) itself.
+    """
 
     page_table: np.ndarray
     seq_lens: np.ndarray
     slot_mapping: np.ndarray
     query_start_loc: np.ndarray
     seq_ids: tuple[int, ...]
-    # None only in a Plan made by hand, which no cache accepts (its owner is
-    # 0): every plan that reaches the cache comes from build_plan with an array.
-    context_lens: np.ndarray = field(repr=False, default=None)  # type: ignore[arg-type]
+    context_lens: np.ndarray = field(repr=False)
     """int32 [B]: tokens already in the cache before this step."""
-    _owner: int = field(repr=False, default=0)
-    _epoch: int = field(repr=False, default=0)
-    _seqs: tuple = field(repr=False, default=())
-    _versions: tuple = field(repr=False, default=())
-    # per layer: written yet? The last byte flags a discarded plan.
-    _written: bytearray = field(repr=False, default_factory=bytearray)
-
-    def _mark_written(self, layer: int) -> bool:
-        """Record a written layer; True exactly when the last one arrives."""
-        if self._written[layer]:
-            return False
-        self._written[layer] = 1
-        return self._written.count(1) == len(self._written) - 1
-
-    def _discard(self) -> None:
-        self._written[-1] = 2
-
-    @property
-    def is_written(self) -> bool:
-        """Whether every layer has been written through this plan."""
-        return len(self._written) > 1 and self._written.count(1) == len(self._written) - 1
-
-    @property
-    def is_discarded(self) -> bool:
-        return bool(self._written) and self._written[-1] == 2
 
     @property
     def num_seqs(self) -> int:
@@ -95,8 +72,9 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 #: few slots cost less one by one than the dozen small array calls would.
 LOOP_MAX_TOKENS = 128
 
-# Page tables of up to this many entries are filled from one flat list.
-_LIST_MAX_ENTRIES = 2048
+#: Page tables of up to this many entries are filled from one flat list; larger
+#: ones row by row from ``page_arrays`` when given.
+LIST_MAX_ENTRIES = 2048
 
 
 def build_plan(
@@ -105,11 +83,6 @@ def build_plan(
     context_lens: Sequence[int],
     page_size: int,
     seq_ids: Sequence[int],
-    owner: int = 0,
-    epoch: int = 0,
-    seqs: tuple = (),
-    versions: tuple = (),
-    num_layers: int = 0,
     page_arrays: Sequence[np.ndarray] | None = None,
 ) -> Plan:
     """Build a :class:`Plan` from each sequence's pages and lengths.
@@ -121,7 +94,7 @@ def build_plan(
     """
     num_seqs = len(page_ids)
     max_pages = max(map(len, page_ids), default=0)
-    if page_arrays is None or num_seqs * max_pages <= _LIST_MAX_ENTRIES:
+    if page_arrays is None or num_seqs * max_pages <= LIST_MAX_ENTRIES:
         flat: list = []
         for pages in page_ids:
             flat.extend(pages)
@@ -150,5 +123,4 @@ def build_plan(
         slots = (page_table[row_of, pos // page_size].astype(np.int64) * page_size
                  + pos % page_size).astype(np.int32)
     return Plan(_readonly(page_table), _readonly(lens), _readonly(slots), _readonly(qsl),
-                tuple(seq_ids), _readonly(ctx), owner, epoch, seqs, versions,
-                bytearray(num_layers + 1))
+                tuple(seq_ids), _readonly(ctx))

@@ -1,10 +1,15 @@
 """Per-step index arrays."""
 
+import dataclasses
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
 from pagedkv_np import PagedKVCache, Plan
 from pagedkv_np import plan as plan_module
+from pagedkv_np.errors import StalePlanError
 from pagedkv_np.plan import build_plan
 
 
@@ -15,7 +20,7 @@ def naive_slots(pages, start, stop, page_size):
 def test_build_plan_arrays():
     #            seq 0: 5 tokens, 3 cached     seq 1: 4 tokens, none cached   seq 2: nothing new
     plan = build_plan([[7, 2], [4, 0], [9]], [5, 4, 2], [3, 0, 2], page_size=3,
-                      seq_ids=[10, 11, 12], owner=5, epoch=8)
+                      seq_ids=[10, 11, 12])
     assert plan.page_table.dtype == np.int32 and plan.page_table.tolist() == [
         [7, 2], [4, 0], [9, -1]]
     assert plan.seq_lens.dtype == np.int32 and plan.seq_lens.tolist() == [5, 4, 2]
@@ -29,7 +34,9 @@ def test_build_plan_arrays():
     assert plan.context_lens.tolist() == [3, 0, 2] and plan.context_lens.dtype == np.int32
     assert plan.num_seqs == 3 and plan.num_new_tokens == 6
     assert plan.seq_ids == (10, 11, 12)
-    assert (plan._owner, plan._epoch) == (5, 8)
+    # data only: the arrays and the ids, no bookkeeping of a cache
+    assert [f.name for f in dataclasses.fields(plan)] == [
+        "page_table", "seq_lens", "slot_mapping", "query_start_loc", "seq_ids", "context_lens"]
 
 
 def test_plan_arrays_are_read_only():
@@ -86,7 +93,7 @@ def test_every_way_of_building_gives_the_same_plan(monkeypatch, loop_max, list_m
         ctx.append(int(rng.integers(0, n + 1)))
     want = build_plan(page_lists, lens, ctx, page_size, list(range(7)))
     monkeypatch.setattr(plan_module, "LOOP_MAX_TOKENS", loop_max)
-    monkeypatch.setattr(plan_module, "_LIST_MAX_ENTRIES", list_max)
+    monkeypatch.setattr(plan_module, "LIST_MAX_ENTRIES", list_max)
     arrays = [np.array(p, dtype=np.int32) for p in page_lists]
     for pages, page_arrays in ((page_lists, None), (page_lists, arrays), (arrays, None)):
         got = build_plan(pages, lens, ctx, page_size, list(range(7)), page_arrays=page_arrays)
@@ -131,3 +138,23 @@ def test_cache_plan_of_an_empty_batch():
     cache.write(0, plan, np.zeros((0, 1, 2), np.float32), np.zeros((0, 1, 2), np.float32))
     k, v = cache.gather(0, plan)
     assert k.shape == v.shape == (0, 1, 0, 2)
+
+
+def test_cache_keeps_each_plans_state_without_holding_the_plan():
+    cache = PagedKVCache(2, 8, 4, 1, 2, backend="numpy")
+    seq = cache.add_sequence([1, 2, 3])
+    cache.extend(seq, [1, 2, 3])
+    plan = cache.plan([seq])
+    k = np.ones((3, 1, 2), np.float32)
+    assert not cache.is_written(plan)
+    cache.write(0, plan, k, k)
+    assert not cache.is_written(plan)
+    cache.write(1, plan, k, k)
+    assert cache.is_written(plan)
+    other = PagedKVCache(2, 8, 4, 1, 2, backend="numpy")
+    with pytest.raises(StalePlanError, match="another cache"):
+        other.is_written(plan)
+    ref = weakref.ref(plan)
+    del plan
+    gc.collect()
+    assert ref() is None      # the cache's record does not keep the plan alive

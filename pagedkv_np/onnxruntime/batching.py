@@ -212,7 +212,7 @@ class Batcher:
             for layer, (k, v) in enumerate(self.runner.recent_kv(n)):
                 cache.write(layer, plan, k, v)
         except BaseException as exc:
-            if plan is not None and not plan.is_written:
+            if plan is not None and not cache.is_written(plan):
                 cache.discard(plan)
             if not isinstance(exc, Exception):
                 raise
@@ -342,7 +342,7 @@ class Batcher:
                     cache.write(layer, plan, k, v)
                 token = sample(logits, req.params, req.rng)
             except BaseException as exc:
-                if plan is not None and not plan.is_written:
+                if plan is not None and not cache.is_written(plan):
                     cache.discard(plan)       # nothing of this prefill gets indexed
                 if seq is not None and not seq.is_released:
                     cache.release(seq)
