@@ -41,10 +41,11 @@ from .errors import (AllocationError, ConfigError, DTypeError, OutOfPages, Paged
                      PageIdError, SequenceError, ShapeError, StalePlanError)
 from .layout import (OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype,
                      shown)
-from .plan import Plan, build_plan
+from .plan import LIST_MAX_ENTRIES, Plan, build_plan
 from .plan_state import PlanState, PlanTable
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
+from .sequence import Sequence
 from .store import KVStore
 from .tiers.config import open_tiers
 from .tiers.manager import attach_tiers
@@ -56,95 +57,6 @@ _owner_ids = itertools.count(1)
 
 # NumPy refuses arrays of more bytes than a signed pointer can count.
 _MAX_ARRAY_BYTES = sys.maxsize
-
-
-class Sequence:
-    """One request's tokens and the pages that hold their K/V.
-
-    Created by :meth:`PagedKVCache.add_sequence` or :meth:`PagedKVCache.fork`;
-    read-only for callers. Token positions split into three ranges::
-
-        0 ...... num_computed_tokens ...... num_tokens
-        | planned (written or being written) | reserved, not yet planned |
-
-    ``num_cached_tokens`` is how many leading tokens came from the prefix
-    index when the sequence was added.
-    """
-
-    __slots__ = ("seq_id", "salt", "_owner", "_tokens", "_page_ids", "_num_tokens",
-                 "_num_computed", "_num_written", "_version", "_num_cached", "_digests",
-                 "_num_indexed",
-                 "_identities", "_released", "_page_arr", "_num_synced")
-
-    def __init__(self, seq_id: int, owner: int, salt: Any) -> None:
-        self.seq_id = seq_id
-        self.salt = salt
-        self._owner = owner
-        self._tokens = bytearray()          # int64 little-endian token ids
-        self._page_ids: list[int] = []
-        self._num_tokens = 0
-        self._num_computed = 0
-        self._num_written = 0               # leading tokens written in every layer
-        self._version = 0                   # bumped when pages are reserved or released
-        self._num_cached = 0
-        self._digests: list[bytes] = []     # chained hashes of full pages
-        self._identities: list[tuple | None] = []  # index identity of each such page
-        self._num_indexed = 0               # leading pages offered to the index
-        self._released = False
-        # int32 mirror of _page_ids for plans, grown in place; entries from
-        # _num_synced on are out of date
-        self._page_arr = np.empty(0, dtype=np.int32)
-        self._num_synced = 0
-
-    def _page_array(self) -> np.ndarray:
-        """int32 [num pages]: the page ids as an array (amortised O(new pages))."""
-        n = len(self._page_ids)
-        if self._num_synced < n:
-            if self._page_arr.shape[0] < n:
-                grown = np.empty(max(16, 2 * n), dtype=np.int32)
-                grown[:self._num_synced] = self._page_arr[:self._num_synced]
-                self._page_arr = grown
-            self._page_arr[self._num_synced:n] = self._page_ids[self._num_synced:]
-            self._num_synced = n
-        return self._page_arr[:n]
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens with a reserved slot."""
-        return self._num_tokens
-
-    @property
-    def version(self) -> int:
-        """Bumped whenever the sequence reserves or releases pages."""
-        return self._version
-
-    @property
-    def num_computed_tokens(self) -> int:
-        """Tokens covered by a plan (their K/V is written or being written)."""
-        return self._num_computed
-
-    @property
-    def num_cached_tokens(self) -> int:
-        """Leading prompt tokens served by the prefix index."""
-        return self._num_cached
-
-    @property
-    def page_ids(self) -> tuple[int, ...]:
-        return tuple(self._page_ids)
-
-    @property
-    def tokens(self) -> np.ndarray:
-        """int64 [num_tokens]: a copy of the token ids."""
-        return np.frombuffer(bytes(self._tokens), dtype="<i8").astype(np.int64)
-
-    @property
-    def is_released(self) -> bool:
-        return self._released
-
-    def __repr__(self) -> str:
-        state = "released" if self._released else f"pages={len(self._page_ids)}"
-        return (f"Sequence(id={self.seq_id}, tokens={self._num_tokens}, "
-                f"cached={self._num_cached}, {state})")
 
 
 @dataclass(frozen=True)
@@ -315,28 +227,33 @@ class PagedKVCache:
         tokens = as_tokens(prompt, "prompt", allow_empty=False)
         encode_salt(salt)  # type check before any change
         with self._lock:
-            seq = Sequence(next(self._seq_ids), self._owner, salt)
+            seq_id = next(self._seq_ids)
+            pages: list[int] = []
+            digests: list[bytes] = []
+            identities: list = []
+            num_cached = 0
             if self.enable_prefix_caching:
                 max_pages = (len(tokens) - 1) // self.page_size
-                pages, digests = self.index.lookup(tokens.tobytes(), len(tokens), max_pages, salt)
-                self.pool.inc_ref(pages)
-                num_cached = len(pages) * self.page_size
-                seq._page_ids = list(pages)
-                seq._digests = list(digests)
-                seq._identities = [self.index.identity(p) for p in pages]
-                seq._num_indexed = len(pages)
+                found, found_digests = self.index.lookup(tokens.tobytes(), len(tokens),
+                                                         max_pages, salt)
+                self.pool.inc_ref(found)
+                pages, digests = list(found), list(found_digests)
+                identities = [self.index.identity(p) for p in pages]
                 if self.tiers is not None and len(pages) < max_pages:
-                    loaded = self.tiers.load(self.pool, salt, seq._digests, seq._identities,
+                    loaded = self.tiers.load(self.pool, salt, digests, identities,
                                              tokens.tobytes(), max_pages)
-                    for part, new in zip((seq._page_ids, seq._digests, seq._identities), loaded):
-                        part += new   # type: ignore[operator]
-                    seq._num_indexed = len(seq._page_ids)
-                    num_cached = len(seq._page_ids) * self.page_size
+                    pages += loaded[0]
+                    digests += loaded[1]
+                    identities += loaded[2]
+                num_cached = len(pages) * self.page_size
                 if self.partial_page_reuse:
-                    num_cached += self._reuse_partial(seq, tokens, num_cached)
-                seq._tokens += tokens[:num_cached].tobytes()
-                seq._num_tokens = seq._num_computed = seq._num_cached = num_cached
-                seq._num_written = num_cached
+                    parent = identities[-1] if identities else self.index.root(salt)[1]
+                    shared, page = self._reuse_partial(parent, tokens, num_cached)
+                    if shared:
+                        pages.append(page)
+                        num_cached += shared
+            seq = Sequence(seq_id, self._owner, salt, tokens[:num_cached].tobytes(), pages,
+                           digests, identities)
             self._live[seq.seq_id] = seq
             return seq
 
@@ -347,10 +264,19 @@ class PagedKVCache:
             self._check_seq(seq)
             return self._pages_needed(seq, num_new_tokens)
 
-    def can_extend(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Whether ``extend`` of that many tokens would succeed now."""
+    def can_extend(self, seq: Sequence, num_new_tokens: int, spare_pages: int = 0) -> bool:
+        """Whether ``extend`` of that many tokens would succeed now and leave
+        at least ``spare_pages`` pages to allocate."""
+        spare_pages = check_nonneg_int(spare_pages, "spare_pages")
         with self._lock:
-            return self.num_pages_needed(seq, num_new_tokens) <= self.pool.num_available
+            return (self.num_pages_needed(seq, num_new_tokens) + spare_pages
+                    <= self.pool.num_available)
+
+    def can_extend_batch(self, seqs: SequenceT[Sequence]) -> bool:
+        """Whether :meth:`extend_batch` of ``seqs`` (a token each) would
+        succeed now."""
+        with self._lock:
+            return self._batch_pages_needed(seqs) <= self.pool.num_available
 
     def extend(self, seq: Sequence, tokens: Any) -> None:
         """Reserve slots for ``tokens`` after the sequence's current tokens.
@@ -386,14 +312,7 @@ class PagedKVCache:
             raise ShapeError(f"Invalid shape of tokens: expected one token per sequence "
                              f"[{len(seqs)}], got [{new.shape[0]}]")
         with self._lock:
-            seen = set()
-            total = 0
-            for seq in seqs:
-                self._check_seq(seq, "seqs")
-                if seq.seq_id in seen:
-                    raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
-                seen.add(seq.seq_id)
-                total += self._pages_needed(seq, 1)
+            total = self._batch_pages_needed(seqs)
             if total > self.pool.num_available:
                 raise OutOfPages(total, self.pool.num_available,
                                  f"extend {len(seqs)} sequence(s) by a token each")
@@ -409,18 +328,16 @@ class PagedKVCache:
     def _extend(self, seq: Sequence, raw: bytes, n: int) -> None:
         """Append ``n`` tokens (``raw``: their int64 bytes); the caller made
         sure the pool has the pages."""
-        needed = self._pages_needed(seq, n)
+        shared = self._shared_tail(seq)
+        needed = seq.pages_needed(n, self.page_size) + (shared is not None)
         pages = self.pool.allocate(needed) if needed else []
-        if self._last_page_shared(seq):
-            src, dst = seq._page_ids[-1], pages.pop()
-            self.store.copy_pages(np.array([src], np.int32), np.array([dst], np.int32))
-            seq._page_ids[-1] = dst
-            seq._num_synced = min(seq._num_synced, len(seq._page_ids) - 1)
-            self.pool.free([src])
-        seq._page_ids.extend(pages)
-        seq._tokens += raw
-        seq._num_tokens += n
-        seq._version += 1
+        if shared is None:
+            seq.append(raw, pages)
+            return
+        dst = pages.pop()
+        self.store.copy_pages(np.array([shared], np.int32), np.array([dst], np.int32))
+        seq.append(raw, pages, replace_last=dst)
+        self.pool.free([shared])
 
     def fork(self, seq: Sequence) -> Sequence:
         """A new sequence with the same tokens, sharing every page by reference.
@@ -435,24 +352,8 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_seq(seq)
-            if seq._num_computed != seq._num_tokens:
-                raise SequenceError(
-                    "Invalid seq: it has reserved tokens not yet planned; plan them before fork")
-            if seq._num_written != seq._num_computed:
-                raise SequenceError(
-                    f"Invalid seq: {seq._num_computed - seq._num_written} of its planned "
-                    "tokens are not written in every layer; write (or discard) the plan "
-                    "before fork")
-            child = Sequence(next(self._seq_ids), self._owner, seq.salt)
-            self.pool.inc_ref(seq._page_ids)
-            child._tokens = bytearray(seq._tokens)
-            child._page_ids = list(seq._page_ids)
-            child._num_tokens = child._num_computed = seq._num_tokens
-            child._num_written = seq._num_written
-            child._num_cached = seq._num_cached
-            child._digests = list(seq._digests)
-            child._identities = list(seq._identities)
-            child._num_indexed = seq._num_indexed
+            child = seq.fork(self._seq_ids)
+            self.pool.inc_ref(child.page_list())
             self._live[child.seq_id] = child
             return child
 
@@ -468,10 +369,7 @@ class PagedKVCache:
             self._check_seq(seq)
             if self.enable_prefix_caching and self.partial_page_reuse:
                 self._index_partial_tail(seq)
-            self.pool.free(reversed(seq._page_ids))
-            seq._released = True
-            seq._version += 1
-            seq._page_ids = []
+            self.pool.free(reversed(seq.release()))
             del self._live[seq.seq_id]
             self._epoch += 1
 
@@ -484,22 +382,18 @@ class PagedKVCache:
         pass it to :meth:`write` and :meth:`gather` for every layer; it is
         stale once the cache reserves or releases pages.
         """
-        if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
-            raise DTypeError("Invalid seqs: expected a list of sequences")
         with self._lock:
-            seen = set()
-            for seq in seqs:
-                self._check_seq(seq, "seqs")
-                if seq.seq_id in seen:
-                    raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
-                seen.add(seq.seq_id)
-            plan = build_plan([s._page_ids for s in seqs], [s._num_tokens for s in seqs],
-                              [s._num_computed for s in seqs], self.page_size,
+            self._check_batch(seqs)
+            page_lists = [s.page_list() for s in seqs]
+            # the arrays fill only a large page table (and cost a call each)
+            big = len(seqs) * max(map(len, page_lists), default=0) > LIST_MAX_ENTRIES
+            plan = build_plan(page_lists, [s.num_tokens for s in seqs],
+                              [s.num_computed_tokens for s in seqs], self.page_size,
                               [s.seq_id for s in seqs],
-                              page_arrays=[s._page_array() for s in seqs])
+                              page_arrays=[s.page_array() for s in seqs] if big else None)
             self._plans.add(plan, PlanState(self._epoch, tuple(seqs), self.num_layers))
             for seq in seqs:
-                seq._num_computed = seq._num_tokens
+                seq.mark_planned()
             return plan
 
     def write(self, layer: int, plan: Plan, k: Any, v: Any) -> None:
@@ -645,56 +539,54 @@ class PagedKVCache:
             state.discarded = True
             context_lens = plan.context_lens
             for b, seq in enumerate(state.seqs):
-                if not seq._released and seq._num_computed == plan.seq_lens[b]:
-                    seq._num_computed = int(context_lens[b])
+                seq.unplan(int(context_lens[b]), int(plan.seq_lens[b]))
 
     # ------------------------------------------------------------ internals
-    def _reuse_partial(self, seq: Sequence, tokens: np.ndarray, num_cached: int) -> int:
-        """Copy the cached page sharing the most leading tokens with the rest
-        of the prompt into a new page of ``seq``; return the tokens shared."""
+    def _reuse_partial(self, parent: Any, tokens: np.ndarray, num_cached: int
+                       ) -> tuple[int, int]:
+        """Copy the cached child of ``parent`` sharing the most leading tokens
+        with the rest of the prompt into a new page; return (tokens shared,
+        the new page), (0, -1) when there is none."""
         limit = min(self.page_size, len(tokens) - 1 - num_cached)
         if limit <= 0:
-            return 0
-        parent = seq._identities[-1] if seq._identities else self.index.root(seq.salt)[1]
+            return 0, -1
         # identities fresh from add_sequence's lookup, never None (a collision)
-        match = self.index.best_child(parent,  # type: ignore[arg-type]
-                                      tokens[num_cached:num_cached + limit].tobytes())
+        match = self.index.best_child(parent, tokens[num_cached:num_cached + limit].tobytes())
         if match is None:
-            return 0
+            return 0, -1
         src, shared = match
         self.pool.inc_ref([src])        # keeps it from being evicted by the allocation
         try:
             if not self.pool.can_allocate(1):
-                return 0
+                return 0, -1
             dst = self.pool.allocate(1)[0]
             self.store.copy_pages(np.array([src], np.int32), np.array([dst], np.int32))
         finally:
             self.pool.free([src])
-        seq._page_ids.append(dst)
         self.index.count_hit(shared)
         self._epoch += 1
-        return shared
+        return shared, dst
 
     def _index_partial_tail(self, seq: Sequence) -> None:
         """List a released sequence's partly filled, written last page."""
-        num_full, tail = divmod(seq._num_written, self.page_size)
-        if (tail == 0 or seq._num_indexed != num_full or len(seq._page_ids) <= num_full):
+        num_full, tail = divmod(seq.num_written_tokens, self.page_size)
+        if tail == 0 or seq.num_indexed_pages != num_full or seq.num_pages <= num_full:
             return
-        parent = seq._identities[-1] if num_full else self.index.root(seq.salt)[1]
-        page_id = seq._page_ids[num_full]
-        if parent is None or self.pool._ref[page_id] != 1:  # broken chain, or shared by a fork
+        parent = seq.link(num_full - 1)[1] if num_full else self.index.root(seq.salt)[1]
+        page_id = seq.page(num_full)
+        if parent is None or self.pool.ref_count(page_id) != 1:  # broken chain, or shared
             return
-        step = 8 * self.page_size
-        tokens = bytes(seq._tokens[num_full * step:num_full * step + 8 * tail])
+        start = num_full * self.page_size
+        tokens = seq.token_bytes(start, start + tail)
         if self.index.register_partial(page_id, parent, tokens):
             self.pool.mark_cached(page_id)
 
     def _check_seq(self, seq: Any, name: str = "seq") -> None:
         if not isinstance(seq, Sequence):
             raise DTypeError(f"Invalid {name}: expected a Sequence, got {type(seq).__name__}")
-        if seq._owner != self._owner:
+        if seq.owner != self._owner:
             raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} belongs to another cache")
-        if seq._released:
+        if seq.is_released:
             raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
 
     def _plan_state(self, plan: Any) -> PlanState:
@@ -718,25 +610,38 @@ class PagedKVCache:
                 "was built; build a new plan")
         return state
 
-    def _last_page_shared(self, seq: Sequence) -> bool:
-        return (seq._num_tokens % self.page_size != 0
-                and self.pool._ref[seq._page_ids[-1]] > 1)
+    def _check_batch(self, seqs: Any) -> None:
+        """Refuse anything but a list (or tuple) of distinct live sequences of this cache."""
+        if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
+            raise DTypeError("Invalid seqs: expected a list of sequences")
+        seen = set()
+        for seq in seqs:
+            self._check_seq(seq, "seqs")
+            if seq.seq_id in seen:
+                raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
+            seen.add(seq.seq_id)
+
+    def _batch_pages_needed(self, seqs: Any) -> int:
+        """Pages that a token more for each of ``seqs`` takes, at most (checked)."""
+        self._check_batch(seqs)
+        return sum(self._pages_needed(seq, 1) for seq in seqs)
+
+    def _shared_tail(self, seq: Sequence) -> int | None:
+        """The sequence's partly filled last page if another sequence holds it too."""
+        page = seq.shared_tail(self.page_size)
+        return page if page is not None and self.pool.ref_count(page) > 1 else None
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         if n <= 0:
             return 0
-        total = -(-(seq._num_tokens + n) // self.page_size)
-        return total - len(seq._page_ids) + int(self._last_page_shared(seq))
+        return seq.pages_needed(n, self.page_size) + (self._shared_tail(seq) is not None)
 
     def _plan_written(self, plan: Plan, state: PlanState) -> None:
         """Every layer of ``plan`` is written: its full pages may be shared."""
         context_lens, seq_lens = plan.context_lens.tolist(), plan.seq_lens.tolist()
         for b, seq in enumerate(state.seqs):
             # a hole (a discarded plan before this one) stops the written run
-            if seq._released or seq._num_written < context_lens[b]:
-                continue
-            seq._num_written = max(seq._num_written, seq_lens[b])
-            if self.enable_prefix_caching:
+            if seq.mark_written(context_lens[b], seq_lens[b]) and self.enable_prefix_caching:
                 self._index_full_pages(seq)
 
     def _index_full_pages(self, seq: Sequence) -> None:
@@ -747,25 +652,22 @@ class PagedKVCache:
         sequence cannot be reached by a lookup and are not indexed.
         """
         page_size, index = self.page_size, self.index
-        step = 8 * page_size
         parent: tuple | None
-        for i in range(seq._num_indexed, seq._num_written // page_size):
+        for i in seq.unindexed_pages(page_size):
             if i == 0:
                 parent_digest, parent = index.root(seq.salt)
             else:
-                parent_digest, parent = seq._digests[i - 1], seq._identities[i - 1]
+                parent_digest, parent = seq.link(i - 1)
                 if parent is None:
                     return
-            chunk = bytes(seq._tokens[i * step:(i + 1) * step])
-            page_id = seq._page_ids[i]
+            chunk = seq.token_bytes(i * page_size, (i + 1) * page_size)
+            page_id = seq.page(i)
             digest, identity, indexed = index.insert(page_id, parent_digest, parent, chunk)
             if indexed:
                 self.pool.mark_cached(page_id)
                 if self.tiers is not None:
                     self.tiers.offer(page_id, digest, parent_digest, chunk, seq.salt)
-            seq._digests.append(digest)
-            seq._identities.append(identity)
-            seq._num_indexed = i + 1
+            seq.add_link(digest, identity)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if pool, index and sequences disagree (O(n))."""
@@ -774,12 +676,12 @@ class PagedKVCache:
             self.index.check_invariants()
             refs = [0] * self.num_pages
             for seq in self._live.values():
-                assert not seq._released
-                assert len(seq._page_ids) == -(-seq._num_tokens // self.page_size)
-                assert len(seq._tokens) == 8 * seq._num_tokens
-                assert seq._num_cached <= seq._num_computed <= seq._num_tokens
-                assert seq._num_written <= seq._num_computed
-                for page_id in seq._page_ids:
+                assert not seq.is_released
+                assert seq.num_pages == -(-seq.num_tokens // self.page_size)
+                assert seq.num_cached_tokens <= seq.num_computed_tokens <= seq.num_tokens
+                assert seq.num_written_tokens <= seq.num_computed_tokens
+                assert seq.num_indexed_pages <= seq.num_written_tokens // self.page_size
+                for page_id in seq.page_list():
                     refs[page_id] += 1
             for page_id in range(self.num_pages):
                 assert refs[page_id] <= self.pool.ref_count(page_id), (

@@ -69,9 +69,9 @@ def snapshot(obj) -> dict:
         pool = obj.pool
         index = obj.index
         state["seqs"] = {
-            sid: (tuple(s._page_ids), s._num_tokens, s._num_computed, s._num_cached,
-                  bytes(s._tokens), s._released, s._num_indexed, tuple(s._digests),
-                  tuple(s._identities))
+            sid: (s.page_ids, s.num_tokens, s.num_computed_tokens, s.num_cached_tokens,
+                  s.token_bytes(0, s.num_tokens), s.is_released, s.num_indexed_pages,
+                  *map(tuple, s.links()))
             for sid, s in obj._live.items()}
         state["epoch"] = obj._epoch
         state["k"] = obj.k_cache.copy()

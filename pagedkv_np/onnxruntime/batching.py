@@ -223,12 +223,9 @@ class Batcher:
 
     def decode(self, events: dict) -> bool:
         """One token for every running request; returns whether any was preempted."""
-        cache, preempted, page_size = self.cache, False, self.cache.page_size
+        cache, preempted = self.cache, False
         while self.running:
-            # a sequence needs a page for its next token iff its pages are full:
-            # the engine never forks, so no partly filled last page is shared
-            needed = sum(1 for r in self.running if r.seq.num_tokens % page_size == 0)
-            if needed <= cache.num_free_pages + cache.num_evictable_pages:
+            if cache.can_extend_batch([r.seq for r in self.running]):
                 break
             self._preempt(self.running[-1])   # youngest first: the oldest always advance
             preempted = True
@@ -324,10 +321,9 @@ class Batcher:
                 tokens = req.all_tokens()
                 seq = cache.add_sequence(tokens, salt=req.salt)
                 num_cached = seq.num_cached_tokens
-                needed = cache.num_pages_needed(seq, tokens.shape[0] - num_cached)
                 # keep a page per running request so the next decode step rarely preempts
-                if needed + len(self.running) > (cache.num_free_pages
-                                                  + cache.num_evictable_pages):
+                if not cache.can_extend(seq, tokens.shape[0] - num_cached,
+                                        spare_pages=len(self.running)):
                     cache.release(seq)
                     break
                 past = None
