@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -207,8 +208,8 @@ class DecodeStep:
 
 
 for _name in ("time_plain_step", "time_engine_step"):
-    setattr(getattr(DecodeStep, _name), "number", 1)
-    setattr(getattr(DecodeStep, _name), "repeat", (5, 20, 10.0))
+    getattr(DecodeStep, _name).number = 1
+    getattr(DecodeStep, _name).repeat = 5, 20, 10.0
 
 
 def first_token_seconds(dec: Any, prompt: list[int]) -> float:

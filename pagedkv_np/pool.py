@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numbers
 from collections import Counter
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from .errors import DTypeError, OutOfPages, PageIdError, PageStateError
 from .layout import check_nonneg_int, check_positive_int

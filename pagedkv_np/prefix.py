@@ -36,7 +36,7 @@ import hashlib
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -64,7 +64,7 @@ def blake2b_page_hash(secret: bytes, parent: bytes, tokens: bytes) -> bytes:
     return h.digest()
 
 
-def encode_salt(salt: "str | bytes | int | None") -> bytes:
+def encode_salt(salt: str | bytes | int | None) -> bytes:
     """The bytes a salt contributes to the root hash (``None`` -> empty).
 
     Raises :class:`DTypeError` for a salt of another type and
@@ -137,7 +137,7 @@ class PrefixIndex:
         """Candidates whose hash matched but whose tokens or parent did not."""
 
     # --------------------------------------------------------------- hashing
-    def root(self, salt: "str | bytes | int | None" = None) -> tuple[bytes, tuple]:
+    def root(self, salt: str | bytes | int | None = None) -> tuple[bytes, tuple]:
         """Root hash and parent identity for a salt."""
         salt_bytes = encode_salt(salt)
         return self._hash(self.secret, b"root", salt_bytes), ("root", salt_bytes)
@@ -151,7 +151,7 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- lookup
     def lookup(self, token_bytes: bytes, num_tokens: int, max_pages: int,
-               salt: "str | bytes | int | None" = None,
+               salt: str | bytes | int | None = None,
                count: bool = True) -> tuple[list[int], list[bytes]]:
         """Longest run of indexed pages that holds this prompt's prefix.
 

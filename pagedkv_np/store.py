@@ -57,7 +57,7 @@ class KVStore:
         num_pages: int | None = None,
         memory_bytes: int | None = None,
         dtype: Any = "float32",
-        layout: "str | StoreLayout" = "NHD",
+        layout: str | StoreLayout = "NHD",
         backend: Any,
     ) -> None:
         self.num_layers = check_positive_int(num_layers, "num_layers")
@@ -76,7 +76,7 @@ class KVStore:
             if num_pages < 1:
                 raise ConfigError(
                     f"Invalid memory_bytes: {budget} bytes hold no page; one page of K and V "
-                    f"over all layers needs {self.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)}")
+                    f"over all layers needs {self.bytes_per_page(self.num_layers, self.page_size, self.num_kv_heads, self.head_dim, self.dtype)}")  # noqa: E501
         self.num_pages = check_positive_int(num_pages, "num_pages")
         if self.num_pages > np.iinfo(np.int32).max // self.page_size:
             raise ConfigError(
@@ -135,5 +135,5 @@ class KVStore:
         return int(self.k.nbytes + self.v.nbytes + scales)
 
     def __repr__(self) -> str:
-        return (f"KVStore(shape={list(self.shape)}, dtype={self.dtype}, layout={self.layout.value}, "
-                f"nbytes={self.nbytes})")
+        return (f"KVStore(shape={list(self.shape)}, dtype={self.dtype}, "
+                f"layout={self.layout.value}, nbytes={self.nbytes})")

@@ -41,7 +41,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 

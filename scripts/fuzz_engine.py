@@ -263,7 +263,7 @@ def one_run(rng: np.random.Generator, models: dict, totals: Totals, run_id: int)
         for rid in events.finished:
             reported[rid] = reported.get(rid, 0) + 1
         errors.update(events.errors)
-        for rid, (p, m, eos, temperature, seed) in specs.items():
+        for rid, (_, _, eos, _, _) in specs.items():
             status = dec.status(rid)
             out = dec.pop_output(rid)
             totals.counts["failed"] += status.finish_reason == "error"

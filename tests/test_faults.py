@@ -256,7 +256,7 @@ def test_generate_raises_request_failed_and_leaves_nothing(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_transient_model_failure_mid_generate_changes_no_token(family):
     dec = decoder(family)
-    raised = poison(dec._runner, "decode", lambda t, l: len(t) > 1, times=1)
+    raised = poison(dec._runner, "decode", lambda t, lens: len(t) > 1, times=1)
     prompts = PROMPTS[:4]
     assert dec.generate(prompts, max_new_tokens=NEW) == \
         [ref(family).tokens(p, NEW) for p in prompts]
@@ -267,7 +267,7 @@ def test_a_transient_model_failure_mid_generate_changes_no_token(family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_an_interrupt_inside_generate_leaves_nothing(family):
     dec = decoder(family)
-    poison(dec._runner, "decode", lambda t, l: True, exc=KeyboardInterrupt, times=1)
+    poison(dec._runner, "decode", lambda t, lens: True, exc=KeyboardInterrupt, times=1)
     with pytest.raises(KeyboardInterrupt):
         dec.generate(PROMPTS[:3], max_new_tokens=NEW)
     assert_idle(dec)

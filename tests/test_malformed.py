@@ -14,7 +14,8 @@ the pool, prefix index, K/V store and sequences are exactly as before.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import pytest

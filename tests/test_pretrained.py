@@ -42,7 +42,8 @@ def small(folder, **kw) -> OrtDecoder:
 
 
 def edit_json(path, **changes) -> None:
-    data = json.loads(open(path).read())
+    with open(path) as f:
+        data = json.load(f)
     for key, value in changes.items():
         if value is None:
             data.pop(key, None)

@@ -22,7 +22,6 @@ import sys
 import time
 import uuid
 
-import numpy as np
 import pytest
 
 pytest.importorskip("starlette", reason="the serve extra is not installed")
@@ -110,11 +109,11 @@ class Server:
                 raise RuntimeError(f"the server did not answer /health in {startup_s} s")
             time.sleep(0.2)
 
-    def client(self, api_key: str = "none", **kw) -> "openai.OpenAI":
+    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0,
                              timeout=120, http_client=httpx.Client(trust_env=False), **kw)
 
-    def http(self) -> "httpx.Client":
+    def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base, timeout=120, trust_env=False)
 
     def metric(self, name: str, default: float | None = None) -> float:
@@ -135,7 +134,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-                raise AssertionError(f"the server did not exit within {timeout} s of SIGTERM")
+                raise AssertionError(
+                    f"the server did not exit within {timeout} s of SIGTERM") from None
         self.proc.stdout.close()
         return self.proc.returncode
 
@@ -591,16 +591,15 @@ class TestDisconnect:
         baseline = server.metric("pagedkv_pages_used")
         cancelled = 'pagedkv_requests_finished_total{finish_reason="cancelled"}'
         before = server.metric(cancelled, default=0.0)
-        with server.http() as http:
-            with http.stream("POST", "/v1/completions", json={
-                    "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                    "stream": True}) as resp:
-                assert resp.status_code == 200
-                lines = resp.iter_lines()
-                for _ in range(3):
-                    assert next(lines).startswith("data: ")
-                    next(lines)
-                assert server.metric("pagedkv_pages_used") > baseline
+        with server.http() as http, http.stream("POST", "/v1/completions", json={
+                "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for _ in range(3):
+                assert next(lines).startswith("data: ")
+                next(lines)
+            assert server.metric("pagedkv_pages_used") > baseline
         for _ in range(200):   # the server notices the closed connection
             if server.metric("pagedkv_pages_used") == baseline:
                 break
@@ -685,14 +684,13 @@ class TestShutdown:
         try:
             prompt, max_tokens = "Hello world! I am fine", 400
             want = ref.completion(prompt, max_tokens)[0]
-            with s.http() as http:
-                with http.stream("POST", "/v1/completions", json={
-                        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                        "stream": True}) as resp:
-                    lines = resp.iter_lines()
-                    first = next(lines)
-                    s.proc.send_signal(signal.SIGTERM)
-                    rest = [first] + list(lines)
+            with s.http() as http, http.stream("POST", "/v1/completions", json={
+                    "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                    "stream": True}) as resp:
+                lines = resp.iter_lines()
+                first = next(lines)
+                s.proc.send_signal(signal.SIGTERM)
+                rest = [first] + list(lines)
             events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
             assert rest[-1] == "data: [DONE]" or "data: [DONE]" in rest
             assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == want
@@ -710,17 +708,16 @@ class TestShutdown:
         exited = False
         try:
             lines: list[str] = []
-            with s.http() as http:
-                with http.stream("POST", "/v1/completions", json={
-                        "prompt": "Hello world! I am fine", "max_tokens": LONG,
-                        "temperature": 0, "stream": True}) as resp:
-                    it = resp.iter_lines()
-                    lines.append(next(it))
-                    s.proc.send_signal(signal.SIGTERM)
-                    try:
-                        lines.extend(it)
-                    except httpx.HTTPError:
-                        pass   # the server cut the response short
+            with s.http() as http, http.stream("POST", "/v1/completions", json={
+                    "prompt": "Hello world! I am fine", "max_tokens": LONG,
+                    "temperature": 0, "stream": True}) as resp:
+                it = resp.iter_lines()
+                lines.append(next(it))
+                s.proc.send_signal(signal.SIGTERM)
+                try:
+                    lines.extend(it)
+                except httpx.HTTPError:
+                    pass   # the server cut the response short
             assert "data: [DONE]" not in lines
             assert len([x for x in lines if x.startswith("data: ")]) < LONG
             assert s.proc.wait(60) == 0

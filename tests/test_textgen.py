@@ -236,7 +236,7 @@ def test_closing_a_stream_aborts_and_frees_pages(folders, family):
     assert dec.stats["pages_used"] == before and not dec.has_unfinished_requests()
     assert list(it) == []
 
-    for delta in dec.stream_text(PROMPTS[0], max_new_tokens=200, eos_token_id=[]):
+    for _ in dec.stream_text(PROMPTS[0], max_new_tokens=200, eos_token_id=[]):
         break                 # the iterator is dropped here: the request is aborted
     assert dec.stats["pages_used"] == before and not dec.has_unfinished_requests()
 

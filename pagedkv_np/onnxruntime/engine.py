@@ -48,12 +48,13 @@ import collections
 import itertools
 import numbers
 import threading
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, DTypeError, PagedKVError, RequestFailed
+from ..errors import ConfigError, DTypeError, PagedKVError
 from ..layout import check_positive_int, resolve_dtype, shown
 from ..quant import resolve_quant
 from ..prefix import encode_salt

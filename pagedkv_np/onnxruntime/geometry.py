@@ -26,7 +26,7 @@ from .ggml_blocks import BlockQuantized
 __all__ = ["DecoderGeometry", "Linear", "weight_names", "check_weights"]
 
 #: a linear layer's weight: a float array [in, out] or ggml blocks
-Linear = Union[np.ndarray, BlockQuantized]
+Linear = Union[np.ndarray, BlockQuantized]  # noqa: UP007 - a runtime alias; X | Y needs 3.10 objects
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ byte fallback would need another model.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .model_io import UnsupportedModelError
 
@@ -43,7 +43,7 @@ _QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 PRE_TOKENIZERS = ("smollm", "llama-bpe", "qwen2", "gpt-2")
 
 
-def _split_then_bytes(pattern: str) -> "pre_tokenizers.PreTokenizer":
+def _split_then_bytes(pattern: str) -> pre_tokenizers.PreTokenizer:
     return pre_tokenizers.Sequence([
         pre_tokenizers.Split(tokenizers.Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -51,7 +51,7 @@ def _split_then_bytes(pattern: str) -> "pre_tokenizers.PreTokenizer":
 
 def build_tokenizer(*, model: str, pre: str, tokens: Sequence[str],
                     token_types: Sequence[int] | None, merges: Sequence[str],
-                    bos_token_id: int | None, add_bos_token: bool) -> "tokenizers.Tokenizer":
+                    bos_token_id: int | None, add_bos_token: bool) -> tokenizers.Tokenizer:
     """The tokenizer that the metadata describes.
 
     Parameters

@@ -347,7 +347,7 @@ def _lm_head(layers: _Layers, x: str) -> None:
 def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
                   family: str = "gqa", position_ids: bool = True, accuracy_level: int = 0,
                   name: str = "pagedkv_decoder",
-                  external_data: str | os.PathLike | None = None) -> "onnx.ModelProto":
+                  external_data: str | os.PathLike | None = None) -> onnx.ModelProto:
     """Build the decoder as an ONNX model.
 
     Parameters
@@ -403,7 +403,7 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
 
 
 def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
-                   position_ids: bool, name: str, g: _Graph) -> "onnx.ModelProto":
+                   position_ids: bool, name: str, g: _Graph) -> onnx.ModelProto:
     layers = _Layers(g, c, weights)
     embed = layers.vec("embed")
     x = g.op("Gather", [embed, "input_ids"], axis=0)
@@ -444,7 +444,7 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
     return model
 
 
-def build_linear(weight: Linear, *, accuracy_level: int = 0) -> "onnx.ModelProto":
+def build_linear(weight: Linear, *, accuracy_level: int = 0) -> onnx.ModelProto:
     """One linear layer as a model: input ``x`` float32 [B, S, in], output ``y``
     float32 [B, S, out] = ``x @ weight`` (as :func:`build_decoder` computes it)."""
     g = _Graph(accuracy_level)

@@ -37,7 +37,7 @@ from ..errors import PagedKVError
 from ..layout import check_positive_int, shown
 
 try:
-    import onnxruntime as ort
+    import onnxruntime as ort  # noqa: F401 - fail early with the extra to install
 except ImportError as exc:  # pragma: no cover - __init__ reports this first
     raise ImportError(
         "pagedkv_np.onnxruntime needs onnxruntime: pip install 'pagedkv-np[onnx]'") from exc
@@ -261,7 +261,7 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
             "[batch, num_kv_heads, past_sequence_length, head_dim]")
     heads = _static_dim(shape, 1, first.name, "num_kv_heads", num_kv_heads)
     dim = _static_dim(shape, 3, first.name, "head_dim", head_dim)
-    for (i, kind), arg in past.items():
+    for arg in past.values():
         s = list(arg.shape)
         if arg.type != first.type or len(s) != 4 or any(
                 isinstance(s[a], int) and s[a] != want for a, want in ((1, heads), (3, dim))):

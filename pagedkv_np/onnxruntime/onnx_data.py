@@ -43,10 +43,10 @@ class ExternalData:
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = os.fspath(path)
         self.location = os.path.basename(self.path)
-        self._file: Any = open(self.path, "wb")
+        self._file: Any = open(self.path, "wb")  # noqa: SIM115 - closed by close()
         self._offset = 0
 
-    def tensor(self, value: np.ndarray, name: str) -> "onnx.TensorProto":
+    def tensor(self, value: np.ndarray, name: str) -> onnx.TensorProto:
         """``value`` as an initializer: inline when small, else appended to the file."""
         value = np.ascontiguousarray(value)
         if value.nbytes < INLINE_BYTES:
@@ -71,7 +71,7 @@ class ExternalData:
         self._file.close()
 
 
-def save_decoder(model: "onnx.ModelProto", folder: str | os.PathLike,
+def save_decoder(model: onnx.ModelProto, folder: str | os.PathLike,
                  filename: str = "model.onnx") -> None:
     """Write ``folder/filename`` with its weights in ``folder/filename + '.data'``.
 

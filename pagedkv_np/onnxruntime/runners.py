@@ -13,7 +13,8 @@ See :mod:`pagedkv_np.onnxruntime.model_io` for the two families.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import onnxruntime as ort

@@ -14,7 +14,8 @@ two for one request, and drops its end-of-sequence tokens.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 

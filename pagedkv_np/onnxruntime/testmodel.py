@@ -163,7 +163,7 @@ def reference_logits(config: DecoderConfig, token_ids: Any,
 
 
 def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
-                position_ids: bool = True, **sizes: Any) -> "onnx.ModelProto":
+                position_ids: bool = True, **sizes: Any) -> onnx.ModelProto:
     """Build the test decoder as an ONNX model.
 
     Parameters
@@ -192,7 +192,7 @@ def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
                          position_ids=position_ids, name=f"pagedkv_test_decoder_{family}")
 
 
-def save_model(model: "onnx.ModelProto", path: str) -> None:
+def save_model(model: onnx.ModelProto, path: str) -> None:
     """Write ``model`` to ``path`` (weights over 1 GiB go to ``path + '.data'``)."""
     large = model.ByteSize() > (1 << 30)
     onnx.save_model(model, path, save_as_external_data=large, all_tensors_to_one_file=True,

@@ -19,7 +19,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -217,7 +218,7 @@ class TextCodec:
         return dict(items)
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike) -> "TextCodec":
+    def from_folder(cls, path: str | os.PathLike) -> TextCodec:
         """Load ``tokenizer.json`` and ``tokenizer_config.json`` from a model folder.
 
         A ``chat_template.jinja`` file, as newer exports write it, is used when

@@ -97,7 +97,7 @@ class TextIterator:
         (or aborted by another caller), "error" once a step of it failed.
     """
 
-    def __init__(self, decoder: "OrtDecoder", request_id: int, stream: "TextStream",
+    def __init__(self, decoder: OrtDecoder, request_id: int, stream: TextStream,
                  num_prompt_tokens: int) -> None:
         self.decoder = decoder
         self.request_id = request_id
@@ -111,7 +111,7 @@ class TextIterator:
     def text(self) -> str:
         return self._stream.text
 
-    def __iter__(self) -> "TextIterator":
+    def __iter__(self) -> TextIterator:
         return self
 
     def poll(self) -> str:
@@ -162,7 +162,7 @@ class TextIterator:
             self.decoder.abort(self.request_id)
             self._end("abort")
 
-    def __enter__(self) -> "TextIterator":
+    def __enter__(self) -> TextIterator:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -237,11 +237,11 @@ class TextGenerationMixin:
         return dec
 
     # ------------------------------------------------------------- encoding
-    def _decoder(self) -> "OrtDecoder":
+    def _decoder(self) -> OrtDecoder:
         # the mixin is only ever a base of OrtDecoder
         return cast("OrtDecoder", self)
 
-    def _codec(self) -> "TextCodec":
+    def _codec(self) -> TextCodec:
         if self.text is None:
             raise TextUnavailable(
                 "this decoder has no tokenizer: build it with OrtDecoder.from_pretrained(...) "
@@ -258,7 +258,7 @@ class TextGenerationMixin:
         return self._codec().encode(prompt)
 
     def text_stream(self, stop: Any = None,
-                    eos_token_id: Any = None) -> "TextStream":
+                    eos_token_id: Any = None) -> TextStream:
         """A :class:`~pagedkv_np.onnxruntime.streaming.TextStream` for one request:
         push its new tokens, get text deltas (end tokens dropped, stop strings
         found)."""

@@ -32,7 +32,8 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterable
+from typing import Any
+from collections.abc import AsyncIterator, Iterable
 
 from ..errors import PagedKVError
 from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update

@@ -23,7 +23,8 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from ..errors import PagedKVError
 from ..layout import check_positive_int

@@ -14,7 +14,8 @@ Every name starts with ``pagedkv_``.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -58,7 +59,7 @@ _ENGINE_FIGURES = (
 class _EngineCollector:
     """Yields the engine figures from the last published snapshot."""
 
-    def __init__(self, owner: "ServerMetrics") -> None:
+    def __init__(self, owner: ServerMetrics) -> None:
         self._owner = owner
 
     def collect(self) -> Iterator[Any]:
