@@ -197,14 +197,11 @@ def assert_error(resp, status: int, param: str | None = None, code: str | None =
 
 
 def serve_docs() -> tuple[str, str]:
-    """(where, text) of the server's documentation section: README.md's section
-    when it has one, else docs/serve.md."""
+    """(where, text) of the server's documentation: README.md's section."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    if SERVE_SECTION in readme:
-        section = readme.split(SERVE_SECTION, 1)[1]
-        section = re.split(r"^## ", section, maxsplit=1, flags=re.M)[0]
-        return "README.md", section
-    return "docs/serve.md", (ROOT / "docs" / "serve.md").read_text(encoding="utf-8")
+    assert SERVE_SECTION in readme, f"README.md has no section {SERVE_SECTION!r}"
+    section = readme.split(SERVE_SECTION, 1)[1]
+    return "README.md", re.split(r"^## ", section, maxsplit=1, flags=re.M)[0]
 
 
 def doc_blocks(text: str, lang: str) -> list[str]:

@@ -17,7 +17,7 @@ An entry, byte by byte::
 
 The CRC detects a truncated, bit-flipped or overwritten entry. It is not a
 signature: a tier must be writable only by processes trusted with the
-cache's secret (see docs/tiers.md).
+cache's secret (see the README's section on storage tiers).
 
 Keys cannot mix: :func:`page_key` is a BLAKE2b keyed with the cache's hash
 secret over the page's chained digest (itself keyed and salted), the salt
