@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -57,11 +58,13 @@ def _conversations(n: int) -> list[list[dict]]:
              {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}] for i in range(n)]
 
 
-def _threads_options(threads: int):
+def _threads_options(threads: int, spin: bool):
+    """onnxruntime session options of the plain loop and of OrtDecoder."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return options
 
 
@@ -69,12 +72,12 @@ class PlainLoop:
     """One request at a time through onnxruntime alone (GroupQueryAttention
     model: one past/present buffer per layer, shared through IOBinding)."""
 
-    def __init__(self, folder: Path, threads: int, eos: set[int]) -> None:
+    def __init__(self, folder: Path, options: Any, eos: set[int]) -> None:
         import onnxruntime as ort
 
         self.ort = ort
         self.session = ort.InferenceSession(str(folder / "model.onnx"),
-                                            sess_options=_threads_options(threads),
+                                            sess_options=options,
                                             providers=["CPUExecutionProvider"])
         config = json.loads((folder / "config.json").read_text())
         self.layers = config["num_hidden_layers"]
@@ -115,7 +118,7 @@ class PlainLoop:
 
 
 def _run_plain(folder: Path, prompts: list[np.ndarray], args, eos: set[int], burst: bool):
-    loop = PlainLoop(folder, args.threads, eos)
+    loop = PlainLoop(folder, _threads_options(args.threads, args.spin), eos)
     loop.run(prompts[0][:8], 2, lambda: None)   # first run of the session
     return _one_at_a_time(lambda p, cb: loop.run(p, args.new_tokens, cb), prompts, burst)
 
@@ -194,7 +197,8 @@ def _run_ortdecoder(folder: Path, prompts: list[np.ndarray], args, eos: set[int]
 
     dec = OrtDecoder.from_pretrained(str(folder), num_pages=512, page_size=16,
                                      max_batch_size=8,
-                                     session_options=_threads_options(args.threads))
+                                     session_options=_threads_options(args.threads,
+                                                                      args.spin))
     dec.generate([[1, 2, 3]], max_new_tokens=2)   # first run of the session
     if not burst:
         def run_one(prompt: np.ndarray, on_token) -> list[int]:
@@ -252,7 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chats", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--weights", default="q4", help="GGUF import mode: q4, float32, float16")
-    parser.add_argument("--threads", type=int, default=2, help="onnxruntime intra-op threads")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="intra-op threads of the plain loop and OrtDecoder (0: onnxruntime's "
+                             "default, one per core); onnxruntime-genai runs as it is configured")
+    parser.add_argument("--spin", action="store_true",
+                        help="let their idle intra-op threads spin-wait (onnxruntime's default; "
+                             "off here, as in pagedkv serve: spinning threads take the cores "
+                             "a busy machine needs)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the per-round figures here")
@@ -268,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = _model_folder(args.weights)
     print(f"model: SmolLM2-135M-Instruct from its GGUF, {args.weights} weights, "
           f"{folder / 'model.onnx'}; {args.chats} chats, shared system prompt, "
-          f"{args.new_tokens} new tokens at most, greedy; {args.threads} intra-op threads; "
+          f"{args.new_tokens} new tokens at most, greedy; plain and OrtDecoder: "
+          f"{args.threads or 'default'} intra-op threads, spinning {'on' if args.spin else 'off'}; "
           f"{args.rounds} rounds, each run in a fresh process")
     runs: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
@@ -277,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [sys.executable, __file__, "--child", runtime, "--workload", workload,
                        "--folder", str(folder), "--chats", str(args.chats),
                        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+                cmd += ["--spin"] if args.spin else []
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                                       env=dict(os.environ))
                 if proc.returncode:
