@@ -26,26 +26,23 @@ sequences is extended or released, whatever other threads do meanwhile.
 from __future__ import annotations
 
 import itertools
-import numbers
-import sys
 import threading
 from collections.abc import Sequence as SequenceT
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .backends import Backend, get_backend
-from .backends.base import _check_layer
-from .errors import (AllocationError, ConfigError, DTypeError, OutOfPages, PagedKVError,
-                     PageIdError, SequenceError, ShapeError, StalePlanError)
-from .layout import (OutputLayout, StoreLayout, check_array, check_nonneg_int, resolve_dtype,
-                     shown)
+from .cache_stats import CacheStats
+from .errors import ConfigError, DTypeError, OutOfPages, ShapeError, StalePlanError
+from .layout import OutputLayout, StoreLayout, check_nonneg_int
+from .layer_io import LayerIO
 from .plan import LIST_MAX_ENTRIES, Plan, build_plan
 from .plan_state import PlanState, PlanTable
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
-from .sequence import Sequence
+from .reuse import PrefixReuse
+from .sequence import Sequence, check_batch, check_sequence
 from .store import KVStore
 from .tiers.config import open_tiers
 from .tiers.manager import attach_tiers
@@ -54,39 +51,6 @@ from .tokens import as_tokens
 __all__ = ["PagedKVCache", "Sequence", "CacheStats"]
 
 _owner_ids = itertools.count(1)
-
-# NumPy refuses arrays of more bytes than a signed pointer can count.
-_MAX_ARRAY_BYTES = sys.maxsize
-
-
-@dataclass(frozen=True)
-class CacheStats:
-    """A snapshot of the cache's counters."""
-
-    num_pages: int
-    pages_used: int
-    pages_free: int
-    pages_evictable: int
-    num_sequences: int
-    prefix_hit_tokens: int
-    prefix_query_tokens: int
-    tiers: dict = field(default_factory=dict)   # per tier: hits, misses, bytes, drops, ...
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        """Hit tokens / queried tokens (0.0 before any query)."""
-        queried = self.prefix_query_tokens
-        return self.prefix_hit_tokens / queried if queried else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        if not d["tiers"]:   # listed only for a cache with tiers
-            del d["tiers"]
-        d["prefix_hit_rate"] = self.prefix_hit_rate
-        return d
-
-    def __getitem__(self, key: str):
-        return self.as_dict()[key]
 
 
 class PagedKVCache:
@@ -150,7 +114,7 @@ class PagedKVCache:
         self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
                              num_pages=num_pages, memory_bytes=memory_bytes,
                              dtype=dtype, layout=layout, backend=self.backend)
-        self._kernel_store = self.backend._kernel_views(self.store.k, self.store.v)
+        self._io = LayerIO(self.store, self.backend)
         self.pool = PagePool(self.store.num_pages)
         tiers, hash_secret = open_tiers(disk_cache, disk_cache_bytes, redis_url, model_id,
                                         hash_secret, tier_options)
@@ -161,6 +125,7 @@ class PagedKVCache:
         self._lock = threading.RLock()
         self.tiers = attach_tiers(tiers, self.pool, self.store, self.index, self._lock,
                                   model_id, tier_options)  # type: ignore[arg-type]
+        self._reuse = PrefixReuse(self.pool, self.index, self.store, self.tiers)
         self._owner = next(_owner_ids)
         self._epoch = 0
         self._seq_ids = itertools.count()
@@ -190,16 +155,7 @@ class PagedKVCache:
     @property
     def stats(self) -> CacheStats:
         with self._lock:
-            return CacheStats(
-                num_pages=self.pool.num_pages,
-                pages_used=self.pool.num_used,
-                pages_free=self.pool.num_free,
-                pages_evictable=self.pool.num_evictable,
-                num_sequences=len(self._live),
-                prefix_hit_tokens=self.index.hit_tokens,
-                prefix_query_tokens=self.index.query_tokens,
-                tiers=self.tiers.stats if self.tiers is not None else {},
-            )
+            return CacheStats.of(self.pool, self.index, self.tiers, len(self._live))
 
     # ------------------------------------------------------------- sequences
     def add_sequence(self, prompt: Any, salt: str | bytes | int | None = None) -> Sequence:
@@ -228,32 +184,14 @@ class PagedKVCache:
         encode_salt(salt)  # type check before any change
         with self._lock:
             seq_id = next(self._seq_ids)
-            pages: list[int] = []
-            digests: list[bytes] = []
-            identities: list = []
-            num_cached = 0
             if self.enable_prefix_caching:
-                max_pages = (len(tokens) - 1) // self.page_size
-                found, found_digests = self.index.lookup(tokens.tobytes(), len(tokens),
-                                                         max_pages, salt)
-                self.pool.inc_ref(found)
-                pages, digests = list(found), list(found_digests)
-                identities = [self.index.identity(p) for p in pages]
-                if self.tiers is not None and len(pages) < max_pages:
-                    loaded = self.tiers.load(self.pool, salt, digests, identities,
-                                             tokens.tobytes(), max_pages)
-                    pages += loaded[0]
-                    digests += loaded[1]
-                    identities += loaded[2]
-                num_cached = len(pages) * self.page_size
-                if self.partial_page_reuse:
-                    parent = identities[-1] if identities else self.index.root(salt)[1]
-                    shared, page = self._reuse_partial(parent, tokens, num_cached)
-                    if shared:
-                        pages.append(page)
-                        num_cached += shared
-            seq = Sequence(seq_id, self._owner, salt, tokens[:num_cached].tobytes(), pages,
-                           digests, identities)
+                found = self._reuse.take(tokens, salt, self.partial_page_reuse)
+                if found.copied:
+                    self._epoch += 1
+                seq = Sequence(seq_id, self._owner, salt, tokens[:found.num_tokens].tobytes(),
+                               found.pages, found.digests, found.identities)
+            else:
+                seq = Sequence(seq_id, self._owner, salt)
             self._live[seq.seq_id] = seq
             return seq
 
@@ -261,7 +199,7 @@ class PagedKVCache:
         """Pages that ``extend(seq, <num_new_tokens tokens>)`` would allocate."""
         num_new_tokens = check_nonneg_int(num_new_tokens, "num_new_tokens")
         with self._lock:
-            self._check_seq(seq)
+            check_sequence(seq, self._owner)
             return self._pages_needed(seq, num_new_tokens)
 
     def can_extend(self, seq: Sequence, num_new_tokens: int, spare_pages: int = 0) -> bool:
@@ -287,7 +225,7 @@ class PagedKVCache:
         """
         new = as_tokens(tokens, "tokens")
         with self._lock:
-            self._check_seq(seq)
+            check_sequence(seq, self._owner)
             n = len(new)
             if n == 0:
                 return
@@ -351,7 +289,7 @@ class PagedKVCache:
         and the last ``write`` is refused rather than followed.
         """
         with self._lock:
-            self._check_seq(seq)
+            check_sequence(seq, self._owner)
             child = seq.fork(self._seq_ids)
             self.pool.inc_ref(child.page_list())
             self._live[child.seq_id] = child
@@ -366,9 +304,9 @@ class PagedKVCache:
         prefix's tail is evicted before its head. A released sequence cannot be used again.
         """
         with self._lock:
-            self._check_seq(seq)
+            check_sequence(seq, self._owner)
             if self.enable_prefix_caching and self.partial_page_reuse:
-                self._index_partial_tail(seq)
+                self._reuse.offer_partial_tail(seq)
             self.pool.free(reversed(seq.release()))
             del self._live[seq.seq_id]
             self._epoch += 1
@@ -383,7 +321,7 @@ class PagedKVCache:
         stale once the cache reserves or releases pages.
         """
         with self._lock:
-            self._check_batch(seqs)
+            check_batch(seqs, self._owner)
             page_lists = [s.page_list() for s in seqs]
             # the arrays fill only a large page table (and cost a call each)
             big = len(seqs) * max(map(len, page_lists), default=0) > LIST_MAX_ENTRIES
@@ -411,25 +349,9 @@ class PagedKVCache:
         """
         with self._lock:
             state = self._check_plan(plan)
-            # The store was checked when it was made and the plan when it was
-            # built: what is left to check is the layer and the data, and then
-            # the backend's kernel can be called directly.
-            store, backend = self.store, self.backend
-            if type(layer) is not int or not 0 <= layer < store.num_layers:
-                layer = self._layer_id(layer)
-            if store.quant is not None:
-                backend.write_quantized(store.k, store.v, store.k_scale, store.v_scale, layer,
-                                        plan.slot_mapping, k, v, layout=store.layout,
-                                        check_indices=False)
-                if state.mark_written(layer):
-                    self._plan_written(plan, state)
-                return
-            shape = (plan.slot_mapping.shape[0], store.num_kv_heads, store.head_dim)
-            check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
-            check_array(v, "v", shape=shape, dtype=store.dtype, array_type=backend.array_types)
-            backend.check_sources((k, v), (store.k, store.v))
-            if shape[0]:
-                backend._write(*self._kernel_store, layer, plan.slot_mapping, k, v, store.layout)
+            if type(layer) is not int or not 0 <= layer < self.store.num_layers:
+                layer = self._io.layer_id(layer)
+            self._io.write(layer, plan, k, v)
             if state.mark_written(layer):
                 self._plan_written(plan, state)
 
@@ -458,67 +380,13 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
-            layer = self._layer_id(layer)
-            if out is None:
-                self._check_gather_size(plan, num_positions)
-            try:
-                return self._gather(layer, plan, layout, out, num_positions, dtype)
-            except MemoryError as exc:
-                if isinstance(exc, PagedKVError):
-                    raise
-                raise AllocationError(
-                    f"Invalid num_positions: the gathered K and V of {plan.num_seqs} "
-                    f"sequence(s) could not be allocated ({exc})") from None
-
-    def _check_gather_size(self, plan: Plan, num_positions: Any) -> None:
-        """Refuse output buffers whose size no allocator can take (the
-        backend checks the type and lower bound of ``num_positions``)."""
-        if not isinstance(num_positions, numbers.Integral) or isinstance(num_positions, bool):
-            return
-        max_len = int(plan.seq_lens.max()) if plan.num_seqs else 0
-        if int(num_positions) < max_len:
-            raise ShapeError(f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
-                             f"got {shown(num_positions)}")
-        store = self.store
-        nbytes = (2 * plan.num_seqs * int(num_positions) * store.num_kv_heads * store.head_dim
-                  * 4)   # at most 4 bytes an element, whatever the output dtype
-        if nbytes > _MAX_ARRAY_BYTES:
-            raise ConfigError(
-                f"Invalid num_positions: {shown(num_positions)} positions of {plan.num_seqs} "
-                f"sequence(s) need {shown(nbytes)} bytes for K and V, more than an array "
-                "can hold")
-
-    def _layer_id(self, layer: Any) -> int:
-        """``layer`` as an index of the store's layers, else a typed error."""
-        num_layers = self.store.num_layers
-        if isinstance(layer, numbers.Integral) and not isinstance(layer, bool) \
-                and not 0 <= int(layer) < num_layers:
-            raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, "
-                              f"got {shown(layer)}")
-        return _check_layer(layer, num_layers)
-
-    def _gather(self, layer: Any, plan: Plan, layout: Any, out: Any, num_positions: Any,
-                dtype: Any) -> tuple[Any, Any]:
-        """:meth:`gather` once the plan is checked (the lock held)."""
-        store = self.store
-        if store.quant is not None:
-            return self.backend.gather_quantized(
-                store.k, store.v, store.k_scale, store.v_scale, layer, plan.page_table,
-                plan.seq_lens, layout=store.layout, out_layout=layout, out=out,
-                num_positions=num_positions, dtype=dtype, check_indices=False)
-        if dtype is not None and resolve_dtype(dtype) != store.dtype:
-            raise DTypeError(f"Invalid dtype: a {store.dtype} cache gathers {store.dtype}, "
-                             f"got {dtype!r}")
-        return self.backend.gather(self.store.k, self.store.v, layer, plan.page_table,
-                                   plan.seq_lens, layout=self.store.layout,
-                                   out_layout=layout, out=out,
-                                   num_positions=num_positions, check_indices=False)
+            return self._io.gather(layer, plan, layout, out, num_positions, dtype)
 
     def is_written(self, plan: Plan) -> bool:
         """Whether every layer has been written through ``plan`` (a plan of
         this cache)."""
         with self._lock:
-            return self._plan_state(plan).is_written
+            return self._plans.state(plan).is_written
 
     def discard(self, plan: Plan) -> None:
         """Take back ``plan``: its K/V was not (fully) written, say because
@@ -531,7 +399,7 @@ class PagedKVCache:
         are then never indexed.
         """
         with self._lock:
-            state = self._plan_state(plan)
+            state = self._plans.state(plan)
             if state.is_written and plan.num_new_tokens:
                 raise StalePlanError(
                     "Invalid plan: every layer of it was written, so its pages may already "
@@ -542,88 +410,13 @@ class PagedKVCache:
                 seq.unplan(int(context_lens[b]), int(plan.seq_lens[b]))
 
     # ------------------------------------------------------------ internals
-    def _reuse_partial(self, parent: Any, tokens: np.ndarray, num_cached: int
-                       ) -> tuple[int, int]:
-        """Copy the cached child of ``parent`` sharing the most leading tokens
-        with the rest of the prompt into a new page; return (tokens shared,
-        the new page), (0, -1) when there is none."""
-        limit = min(self.page_size, len(tokens) - 1 - num_cached)
-        if limit <= 0:
-            return 0, -1
-        # identities fresh from add_sequence's lookup, never None (a collision)
-        match = self.index.best_child(parent, tokens[num_cached:num_cached + limit].tobytes())
-        if match is None:
-            return 0, -1
-        src, shared = match
-        self.pool.inc_ref([src])        # keeps it from being evicted by the allocation
-        try:
-            if not self.pool.can_allocate(1):
-                return 0, -1
-            dst = self.pool.allocate(1)[0]
-            self.store.copy_pages(np.array([src], np.int32), np.array([dst], np.int32))
-        finally:
-            self.pool.free([src])
-        self.index.count_hit(shared)
-        self._epoch += 1
-        return shared, dst
-
-    def _index_partial_tail(self, seq: Sequence) -> None:
-        """List a released sequence's partly filled, written last page."""
-        num_full, tail = divmod(seq.num_written_tokens, self.page_size)
-        if tail == 0 or seq.num_indexed_pages != num_full or seq.num_pages <= num_full:
-            return
-        parent = seq.link(num_full - 1)[1] if num_full else self.index.root(seq.salt)[1]
-        page_id = seq.page(num_full)
-        if parent is None or self.pool.ref_count(page_id) != 1:  # broken chain, or shared
-            return
-        start = num_full * self.page_size
-        tokens = seq.token_bytes(start, start + tail)
-        if self.index.register_partial(page_id, parent, tokens):
-            self.pool.mark_cached(page_id)
-
-    def _check_seq(self, seq: Any, name: str = "seq") -> None:
-        if not isinstance(seq, Sequence):
-            raise DTypeError(f"Invalid {name}: expected a Sequence, got {type(seq).__name__}")
-        if seq.owner != self._owner:
-            raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} belongs to another cache")
-        if seq.is_released:
-            raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
-
-    def _plan_state(self, plan: Any) -> PlanState:
-        """This cache's record of ``plan``, else a typed error."""
-        if not isinstance(plan, Plan):
-            raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
-        state = self._plans.get(plan)
-        if state is None:
-            raise StalePlanError("Invalid plan: it was built by another cache")
-        return state
-
     def _check_plan(self, plan: Any) -> PlanState:
         """The record of ``plan`` if it may be written or gathered now."""
-        state = self._plan_state(plan)
-        if state.discarded:
-            raise StalePlanError("Invalid plan: it was discarded")
-        if state.epoch != self._epoch and not state.is_current():
-            # (the same epoch: nothing was reserved or released since)
-            raise StalePlanError(
-                "Invalid plan: one of its sequences was extended or released since it "
-                "was built; build a new plan")
-        return state
-
-    def _check_batch(self, seqs: Any) -> None:
-        """Refuse anything but a list (or tuple) of distinct live sequences of this cache."""
-        if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
-            raise DTypeError("Invalid seqs: expected a list of sequences")
-        seen = set()
-        for seq in seqs:
-            self._check_seq(seq, "seqs")
-            if seq.seq_id in seen:
-                raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
-            seen.add(seq.seq_id)
+        return self._plans.current(plan, self._epoch)
 
     def _batch_pages_needed(self, seqs: Any) -> int:
         """Pages that a token more for each of ``seqs`` takes, at most (checked)."""
-        self._check_batch(seqs)
+        check_batch(seqs, self._owner)
         return sum(self._pages_needed(seq, 1) for seq in seqs)
 
     def _shared_tail(self, seq: Sequence) -> int | None:
@@ -642,32 +435,7 @@ class PagedKVCache:
         for b, seq in enumerate(state.seqs):
             # a hole (a discarded plan before this one) stops the written run
             if seq.mark_written(context_lens[b], seq_lens[b]) and self.enable_prefix_caching:
-                self._index_full_pages(seq)
-
-    def _index_full_pages(self, seq: Sequence) -> None:
-        """Offer the sequence's newly full pages to the index, in order.
-
-        Each page records the identity of its parent's content; once a page's
-        hash is taken by other content (a collision), later pages of this
-        sequence cannot be reached by a lookup and are not indexed.
-        """
-        page_size, index = self.page_size, self.index
-        parent: tuple | None
-        for i in seq.unindexed_pages(page_size):
-            if i == 0:
-                parent_digest, parent = index.root(seq.salt)
-            else:
-                parent_digest, parent = seq.link(i - 1)
-                if parent is None:
-                    return
-            chunk = seq.token_bytes(i * page_size, (i + 1) * page_size)
-            page_id = seq.page(i)
-            digest, identity, indexed = index.insert(page_id, parent_digest, parent, chunk)
-            if indexed:
-                self.pool.mark_cached(page_id)
-                if self.tiers is not None:
-                    self.tiers.offer(page_id, digest, parent_digest, chunk, seq.salt)
-            seq.add_link(digest, identity)
+                self._reuse.offer_full_pages(seq)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if pool, index and sequences disagree (O(n))."""
@@ -676,11 +444,7 @@ class PagedKVCache:
             self.index.check_invariants()
             refs = [0] * self.num_pages
             for seq in self._live.values():
-                assert not seq.is_released
-                assert seq.num_pages == -(-seq.num_tokens // self.page_size)
-                assert seq.num_cached_tokens <= seq.num_computed_tokens <= seq.num_tokens
-                assert seq.num_written_tokens <= seq.num_computed_tokens
-                assert seq.num_indexed_pages <= seq.num_written_tokens // self.page_size
+                seq.check_invariants(self.page_size)
                 for page_id in seq.page_list():
                     refs[page_id] += 1
             for page_id in range(self.num_pages):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+from .errors import DTypeError, StalePlanError
 from .plan import Plan
 
 __all__ = ["PlanState", "PlanTable"]
@@ -68,9 +69,27 @@ class PlanTable:
     def add(self, plan: Plan, state: PlanState) -> None:
         self._states[plan] = state
 
-    def get(self, plan: Any) -> PlanState | None:
-        """The state of ``plan``, or None for a plan this table does not hold."""
-        return self._states.get(plan)
+    def state(self, plan: Any) -> PlanState:
+        """The state of ``plan``; a typed error for anything but a plan of this table."""
+        if not isinstance(plan, Plan):
+            raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
+        state = self._states.get(plan)
+        if state is None:
+            raise StalePlanError("Invalid plan: it was built by another cache")
+        return state
+
+    def current(self, plan: Any, epoch: int) -> PlanState:
+        """The state of ``plan`` if it may still be written and gathered,
+        ``epoch`` being the cache's now."""
+        state = self.state(plan)
+        if state.discarded:
+            raise StalePlanError("Invalid plan: it was discarded")
+        if state.epoch != epoch and not state.is_current():
+            # (the same epoch: nothing was reserved or released since)
+            raise StalePlanError(
+                "Invalid plan: one of its sequences was extended or released since it "
+                "was built; build a new plan")
+        return state
 
     def __len__(self) -> int:
         return len(self._states)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SequenceError
+from .errors import DTypeError, SequenceError
 
-__all__ = ["Sequence"]
+__all__ = ["Sequence", "check_sequence", "check_batch"]
 
 _TOKEN_BYTES = 8   # int64 little-endian token ids
 
@@ -263,7 +263,38 @@ class Sequence:
         self._digests.append(digest)
         self._identities.append(identity)
 
+    def check_invariants(self, page_size: int) -> None:
+        """Raise AssertionError if the counters and pages of a live sequence disagree."""
+        assert not self._released
+        assert len(self._page_ids) == -(-self.num_tokens // page_size)
+        assert self._num_cached <= self._num_computed <= self.num_tokens
+        assert self._num_written <= self._num_computed
+        assert len(self._digests) == len(self._identities)
+        assert len(self._digests) <= self._num_written // page_size
+
     def __repr__(self) -> str:
         state = "released" if self._released else f"pages={len(self._page_ids)}"
         return (f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
                 f"cached={self._num_cached}, {state})")
+
+
+def check_sequence(seq: Any, owner: int, name: str = "seq") -> None:
+    """Refuse anything but a live sequence of the cache ``owner``."""
+    if not isinstance(seq, Sequence):
+        raise DTypeError(f"Invalid {name}: expected a Sequence, got {type(seq).__name__}")
+    if seq.owner != owner:
+        raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} belongs to another cache")
+    if seq.is_released:
+        raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
+
+
+def check_batch(seqs: Any, owner: int) -> None:
+    """Refuse anything but a list (or tuple) of distinct live sequences of ``owner``."""
+    if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
+        raise DTypeError("Invalid seqs: expected a list of sequences")
+    seen = set()
+    for seq in seqs:
+        check_sequence(seq, owner, "seqs")
+        if seq.seq_id in seen:
+            raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
+        seen.add(seq.seq_id)
