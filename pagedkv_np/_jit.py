@@ -1,8 +1,8 @@
 """Where compiled Numba kernels live on disk, and compiling them ahead of use.
 
 The Numba kernels compile lazily, once per dtype width, on first use (about a
-second each). Compiled code is cached on disk so that later processes start
-warm. The cache directory is, in order of precedence:
+second each; :func:`pagedkv_np.warmup` compiles them ahead). Compiled code is
+cached on disk so that later processes start warm. The cache directory is, in order of precedence:
 
 1. ``$PAGEDKV_NUMBA_CACHE_DIR``,
 2. ``$NUMBA_CACHE_DIR`` (Numba's own setting, honoured when the user set it),
@@ -29,15 +29,11 @@ from __future__ import annotations
 import os
 import tempfile
 import threading
-import time
 import warnings
-from typing import TYPE_CHECKING, Any, Literal, cast
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from .backends.numba_cpu import NumbaBackend
-
-__all__ = ["ENV_CACHE_DIR", "cache_dir", "resolve_cache_dir", "jit_kernel", "warmup"]
+__all__ = ["ENV_CACHE_DIR", "cache_dir", "resolve_cache_dir", "jit_kernel"]
 
 ENV_CACHE_DIR = "PAGEDKV_NUMBA_CACHE_DIR"
 
@@ -134,55 +130,3 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
             return numba.njit(cache=True, parallel=parallel, error_model=error_model)(func)
         finally:
             config.CACHE_DIR = saved  # type: ignore[attr-defined]
-
-
-def warmup(
-    dtypes: Iterable[Any] = ("float32", "float16", "bfloat16"),
-    layouts: Iterable[str] = ("NHD", "HND"),
-    out_layouts: Iterable[str] = ("BTHD", "BHTD"),
-) -> float:
-    """Compile the Numba kernels ahead of use by running them on tiny arrays.
-
-    Covers the serial and the parallel variant of write (contiguous and
-    strided ``k``/``v``), gather and copy_pages. Compiled code goes to the disk
-    cache, so a later process that calls this starts in well under a second.
-
-    Parameters
-    ----------
-    dtypes : iterable of {"float32", "float16", "bfloat16", "int8"}
-        Store dtypes to compile for; float16 and bfloat16 share one kernel.
-        ``"int8"`` compiles the int8 store's kernels, for every K/V dtype.
-    layouts : iterable of {"NHD", "HND"}
-    out_layouts : iterable of {"BTHD", "BHTD"}
-
-    Returns
-    -------
-    float
-        Seconds spent.
-
-    Raises
-    ------
-    BackendUnavailable
-        Numba cannot be imported.
-    DTypeError, LayoutError
-        An unknown dtype or layout.
-    """
-    from .backends import get_backend
-    from .layout import OutputLayout, StoreLayout, resolve_dtype
-    from .quant import resolve_quant
-
-    start = time.perf_counter()
-    # the registry types it as a Backend; "numba" is the NumbaBackend
-    backend = cast("NumbaBackend", get_backend("numba"))
-    dtypes = list(dtypes)
-    quantized = [d for d in dtypes if resolve_quant(d) is not None]
-    dtypes = [resolve_dtype(d) for d in dtypes if resolve_quant(d) is None]
-    store_layouts = [StoreLayout.parse(x) for x in layouts]
-    output_layouts = [OutputLayout.parse(x, "out_layouts") for x in out_layouts]
-    for layout in store_layouts:
-        for out_layout in output_layouts:
-            for dtype in dtypes:
-                backend._warmup(dtype, layout, out_layout)
-            if quantized:
-                backend._warmup_quantized(layout, out_layout)
-    return time.perf_counter() - start

@@ -175,7 +175,7 @@ class NumbaBackend(Backend):
                kind, layout is StoreLayout.HND, out_layout is OutputLayout.BHTD,
                group_size(k_cache.shape[4]))
 
-    def _warmup_quantized(self, layout: StoreLayout, out_layout: OutputLayout) -> None:
+    def warmup_quantized(self, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run the int8 store's kernels once on tiny arrays: serial and
         parallel, every K/V dtype in and out, contiguous and strided input."""
         from ..layout import SUPPORTED_DTYPES
@@ -204,7 +204,7 @@ class NumbaBackend(Backend):
                 gather(codes, codes, scales, scales, 0, page_table, seq_lens, out, out.copy(),
                        kind, hnd, bhtd, head_dim)
 
-    def _warmup(self, dtype: np.dtype, layout: StoreLayout, out_layout: OutputLayout) -> None:
+    def warmup(self, dtype: np.dtype, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run every kernel once on tiny arrays of ``dtype``, compiling each
         variant a process can meet: serial and parallel, contiguous and strided
         ``k``/``v``."""
