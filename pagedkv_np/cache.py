@@ -42,7 +42,7 @@ from .plan_state import PlanState, PlanTable
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
 from .reuse import PrefixReuse
-from .sequence import Sequence, check_batch, check_sequence
+from .sequence import Sequence, check_batch, check_sequence, mark_all_planned, step_inputs
 from .store import KVStore
 from .tiers.config import open_tiers
 from .tiers.manager import attach_tiers
@@ -322,16 +322,15 @@ class PagedKVCache:
         """
         with self._lock:
             check_batch(seqs, self._owner)
-            page_lists = [s.page_list() for s in seqs]
+            page_lists, lens, computed, versions = step_inputs(seqs)
             # the arrays fill only a large page table (and cost a call each)
             big = len(seqs) * max(map(len, page_lists), default=0) > LIST_MAX_ENTRIES
-            plan = build_plan(page_lists, [s.num_tokens for s in seqs],
-                              [s.num_computed_tokens for s in seqs], self.page_size,
+            plan = build_plan(page_lists, lens, computed, self.page_size,
                               [s.seq_id for s in seqs],
                               page_arrays=[s.page_array() for s in seqs] if big else None)
-            self._plans.add(plan, PlanState(self._epoch, tuple(seqs), self.num_layers))
-            for seq in seqs:
-                seq.mark_planned()
+            self._plans.add(plan, PlanState(self._epoch, tuple(seqs), versions,
+                                            self.num_layers))
+            mark_all_planned(seqs, lens)
             return plan
 
     def write(self, layer: int, plan: Plan, k: Any, v: Any) -> None:

@@ -26,16 +26,18 @@ class PlanState:
         The cache's epoch when the plan was built.
     seqs : tuple of Sequence
         The plan's sequences, in plan order.
+    versions : tuple of int
+        Their versions when the plan was built.
     num_layers : int
         Layers the plan must be written in.
     """
 
     __slots__ = ("epoch", "seqs", "versions", "discarded", "_written", "_num_written")
 
-    def __init__(self, epoch: int, seqs: tuple, num_layers: int) -> None:
+    def __init__(self, epoch: int, seqs: tuple, versions: tuple, num_layers: int) -> None:
         self.epoch = epoch
         self.seqs = seqs
-        self.versions = tuple(s.version for s in seqs)
+        self.versions = versions
         self.discarded = False
         self._written = bytearray(num_layers)   # per layer: written yet?
         self._num_written = 0
