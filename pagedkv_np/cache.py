@@ -52,6 +52,9 @@ __all__ = ["PagedKVCache", "Sequence", "CacheStats"]
 
 _owner_ids = itertools.count(1)
 
+# The store layout that a gather into each output layout reads in whole runs.
+_MATCHING_STORE = {OutputLayout.BHTD: StoreLayout.HND, OutputLayout.BTHD: StoreLayout.NHD}
+
 
 class PagedKVCache:
     """A paged K/V cache with prefix reuse.
@@ -64,8 +67,12 @@ class PagedKVCache:
         ``"int8"`` stores codes and scales (see :mod:`pagedkv_np.quant`):
         :meth:`write` quantizes float32, float16 or bfloat16 K/V and
         :meth:`gather` dequantizes into any of those.
-    layout : {"NHD", "HND"}
-        Store layout (see :mod:`pagedkv_np.layout`).
+    layout : {"NHD", "HND"}, optional
+        Store layout (see :mod:`pagedkv_np.layout`); by default the one that
+        ``gather_layout`` reads in whole runs: HND for BHTD, NHD for BTHD (a
+        mismatched pair transposes every page it gathers, which is slower).
+    gather_layout : {"BHTD", "BTHD"}
+        Layout that :meth:`gather` returns when it is not told one.
     backend : str or Backend
         ``"auto"`` (Numba when available, else NumPy), ``"numpy"``,
         ``"numba"`` or ``"cupy"``.
@@ -92,7 +99,8 @@ class PagedKVCache:
         head_dim: int,
         *,
         dtype: Any = "float32",
-        layout: str | StoreLayout = "NHD",
+        layout: str | StoreLayout | None = None,
+        gather_layout: str | OutputLayout = "BHTD",
         backend: str | Backend | None = "auto",
         memory_bytes: int | None = None,
         hash_secret: bytes | None = None,
@@ -111,10 +119,14 @@ class PagedKVCache:
             raise ConfigError(f"Invalid backend: expected a name or a Backend, "
                              f"got {type(backend).__name__}")
         self.backend = get_backend(backend)
+        self.gather_layout = OutputLayout.parse(gather_layout, "gather_layout")
+        if layout is None:
+            layout = _MATCHING_STORE[self.gather_layout]
         self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
                              num_pages=num_pages, memory_bytes=memory_bytes,
                              dtype=dtype, layout=layout, backend=self.backend)
         self._io = LayerIO(self.store, self.backend)
+        self._page_size = self.store.page_size   # read on every step: one lookup, not a property
         self.pool = PagePool(self.store.num_pages)
         tiers, hash_secret = open_tiers(disk_cache, disk_cache_bytes, redis_url, model_id,
                                         hash_secret, tier_options)
@@ -267,7 +279,7 @@ class PagedKVCache:
         """Append ``n`` tokens (``raw``: their int64 bytes); the caller made
         sure the pool has the pages."""
         shared = self._shared_tail(seq)
-        needed = seq.pages_needed(n, self.page_size) + (shared is not None)
+        needed = seq.pages_needed(n, self._page_size) + (shared is not None)
         pages = self.pool.allocate(needed) if needed else []
         if shared is None:
             seq.append(raw, pages)
@@ -325,7 +337,7 @@ class PagedKVCache:
             page_lists, lens, computed, versions = step_inputs(seqs)
             # the arrays fill only a large page table (and cost a call each)
             big = len(seqs) * max(map(len, page_lists), default=0) > LIST_MAX_ENTRIES
-            plan = build_plan(page_lists, lens, computed, self.page_size,
+            plan = build_plan(page_lists, lens, computed, self._page_size,
                               [s.seq_id for s in seqs],
                               page_arrays=[s.page_array() for s in seqs] if big else None)
             self._plans.add(plan, PlanState(self._epoch, tuple(seqs), versions,
@@ -354,16 +366,17 @@ class PagedKVCache:
             if state.mark_written(layer):
                 self._plan_written(plan, state)
 
-    def gather(self, layer: int, plan: Plan, layout: str | OutputLayout = "BHTD",
+    def gather(self, layer: int, plan: Plan, layout: str | OutputLayout | None = None,
                out: tuple[Any, Any] | None = None,
                num_positions: int | None = None, dtype: Any = None) -> tuple[Any, Any]:
         """Gather one layer's K/V of the plan's sequences into contiguous arrays.
 
         Parameters
         ----------
-        layout : {"BHTD", "BTHD"}
-            ``[B, num_kv_heads, T, head_dim]`` (ONNX ``past_key_values``,
-            the default) or ``[B, T, num_kv_heads, head_dim]``.
+        layout : {"BHTD", "BTHD"}, optional
+            ``[B, num_kv_heads, T, head_dim]`` (ONNX ``past_key_values``) or
+            ``[B, T, num_kv_heads, head_dim]``; by default the cache's
+            ``gather_layout`` (BHTD unless it was given another).
         out : (k, v), optional
             C-contiguous buffers to fill, ``T >= max(plan.seq_lens)``.
         num_positions : int, optional
@@ -379,6 +392,8 @@ class PagedKVCache:
         """
         with self._lock:
             self._check_plan(plan)
+            if layout is None:
+                layout = self.gather_layout
             return self._io.gather(layer, plan, layout, out, num_positions, dtype)
 
     def is_written(self, plan: Plan) -> bool:
@@ -420,13 +435,13 @@ class PagedKVCache:
 
     def _shared_tail(self, seq: Sequence) -> int | None:
         """The sequence's partly filled last page if another sequence holds it too."""
-        page = seq.shared_tail(self.page_size)
+        page = seq.shared_tail(self._page_size)
         return page if page is not None and self.pool.ref_count(page) > 1 else None
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         if n <= 0:
             return 0
-        return seq.pages_needed(n, self.page_size) + (self._shared_tail(seq) is not None)
+        return seq.pages_needed(n, self._page_size) + (self._shared_tail(seq) is not None)
 
     def _plan_written(self, plan: Plan, state: PlanState) -> None:
         """Every layer of ``plan`` is written: its full pages may be shared."""

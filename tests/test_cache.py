@@ -751,7 +751,7 @@ def test_discard_of_a_plan_without_new_tokens_changes_nothing(expected_kv, state
 
 def test_memory_bytes_sizes_the_store():
     per_page = 2 * 3 * 8 * 2 * 4 * 2  # K+V, layers, page_size, heads, head_dim, bytes
-    cache = PagedKVCache(3, None, 8, 2, 4, dtype="float16", backend="numpy",
+    cache = PagedKVCache(3, None, 8, 2, 4, dtype="float16", backend="numpy", layout="NHD",
                          memory_bytes=per_page * 20 + 5)
     assert cache.num_pages == 20
     assert cache.nbytes == per_page * 20 == cache.k_cache.nbytes + cache.v_cache.nbytes
@@ -1043,3 +1043,41 @@ def test_pages_planned_in_one_thread_are_not_served_before_they_are_written(expe
     ek, _ = expected_kv(prompt, None, 0, 2, 3, "float32")
     assert np.array_equal(result["k"][0, :n], ek[:n]), (
         f"{n} cached token(s) served before their K/V was written")
+
+
+# ------------------------------------------------------------ default layouts
+
+@pytest.mark.parametrize("gather_layout, store_layout", [
+    ("BHTD", StoreLayout.HND), ("BTHD", StoreLayout.NHD)])
+def test_default_store_layout_matches_the_gather_layout(gather_layout, store_layout,
+                                                        expected_kv):
+    kw = {} if gather_layout == "BHTD" else {"gather_layout": gather_layout}
+    cache = make_cache(**kw)          # the default gather is BHTD
+    assert cache.layout is store_layout
+    assert cache.gather_layout is OutputLayout(gather_layout)
+    seq = cache.add_sequence([3, 1, 4, 1, 5])
+    cache.extend(seq, [3, 1, 4, 1, 5])
+    plan = cache.plan([seq])
+    write_step(cache, plan, [seq], expected_kv)
+    k, v = cache.gather(1, plan)      # in the cache's gather layout
+    ek, ev = expected_kv(seq.tokens, None, 1, 2, 3, np.float32)   # [T, H, D]
+    if gather_layout == "BHTD":
+        ek, ev = ek.transpose(1, 0, 2), ev.transpose(1, 0, 2)
+    assert np.array_equal(k[0], ek) and np.array_equal(v[0], ev)
+    other = "BTHD" if gather_layout == "BHTD" else "BHTD"
+    k2, _ = cache.gather(1, plan, layout=other)    # a named layout still wins
+    assert k2.shape == (k.shape[0], k.shape[2], k.shape[1], k.shape[3])
+
+
+def test_an_explicit_store_layout_keeps_the_bhtd_gather_default():
+    cache = make_cache(layout="NHD")
+    assert cache.layout is StoreLayout.NHD and cache.gather_layout is OutputLayout.BHTD
+    seq = cache.add_sequence([1, 2, 3])
+    cache.extend(seq, [1, 2, 3])
+    k, _ = cache.gather(0, cache.plan([seq]))
+    assert k.shape == (1, 2, 3, 3)    # [B, H, T, D]
+
+
+def test_a_bad_gather_layout_is_refused():
+    with pytest.raises(LayoutError, match="gather_layout"):
+        make_cache(gather_layout="TBHD")
