@@ -61,29 +61,45 @@ class PlanState:
 
 
 class PlanTable:
-    """Plan -> PlanState, holding plans by weak reference."""
+    """Plan -> PlanState, holding plans by weak reference.
 
-    __slots__ = ("_states",)
+    Keyed by ``id(plan)`` with the plan's weak reference beside its state: a
+    lookup, once per layer written or gathered, is then a dict probe and a
+    call of that reference, with no weak reference made for it.
+    """
+
+    __slots__ = ("_entries",)
 
     def __init__(self) -> None:
-        self._states: weakref.WeakKeyDictionary[Plan, PlanState] = weakref.WeakKeyDictionary()
+        self._entries: dict[int, tuple[weakref.ref, PlanState]] = {}
 
     def add(self, plan: Plan, state: PlanState) -> None:
-        self._states[plan] = state
+        key, entries = id(plan), self._entries
+
+        def forget(ref: weakref.ref, key: int = key) -> None:
+            # the plan is gone; its id may already name a newer plan's entry
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(plan, forget), state)
 
     def state(self, plan: Any) -> PlanState:
         """The state of ``plan``; a typed error for anything but a plan of this table."""
-        if not isinstance(plan, Plan):
-            raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
-        state = self._states.get(plan)
-        if state is None:
+        entry = self._entries.get(id(plan))
+        if entry is None or entry[0]() is not plan:
+            if not isinstance(plan, Plan):
+                raise DTypeError(f"Invalid plan: expected a Plan, got {type(plan).__name__}")
             raise StalePlanError("Invalid plan: it was built by another cache")
-        return state
+        return entry[1]
 
     def current(self, plan: Any, epoch: int) -> PlanState:
         """The state of ``plan`` if it may still be written and gathered,
         ``epoch`` being the cache's now."""
-        state = self.state(plan)
+        entry = self._entries.get(id(plan))
+        if entry is None or entry[0]() is not plan:
+            return self.state(plan)   # raises
+        state = entry[1]
         if state.discarded:
             raise StalePlanError("Invalid plan: it was discarded")
         if state.epoch != epoch and not state.is_current():
@@ -94,4 +110,4 @@ class PlanTable:
         return state
 
     def __len__(self) -> int:
-        return len(self._states)
+        return len(self._entries)

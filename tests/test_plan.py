@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv_np import PagedKVCache, Plan
 from pagedkv_np import plan as plan_module
-from pagedkv_np.errors import StalePlanError
+from pagedkv_np.errors import DTypeError, StalePlanError
 from pagedkv_np.plan import build_plan
 
 
@@ -158,3 +158,21 @@ def test_cache_keeps_each_plans_state_without_holding_the_plan():
     del plan
     gc.collect()
     assert ref() is None      # the cache's record does not keep the plan alive
+
+
+def test_plan_table_forgets_a_plan_once_it_is_gone():
+    from pagedkv_np.plan_state import PlanState, PlanTable
+    table = PlanTable()
+    plans = [build_plan([[1]], [1], [0], 4, [0]) for _ in range(5)]
+    states = [PlanState(0, (), (), 1) for _ in plans]
+    for plan, state in zip(plans, states):
+        table.add(plan, state)
+    assert len(table) == 5 and table.state(plans[3]) is states[3]
+    del plans[:4]
+    gc.collect()
+    assert len(table) == 1 and table.current(plans[0], 0) is states[4]
+    fresh = build_plan([[1]], [1], [0], 4, [0])     # may reuse a dead plan's id
+    with pytest.raises(StalePlanError, match="another cache"):
+        table.state(fresh)
+    with pytest.raises(DTypeError, match="expected a Plan"):
+        table.state("plan")
