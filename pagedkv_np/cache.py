@@ -42,7 +42,7 @@ from .plan_state import PlanState, PlanTable
 from .pool import PagePool
 from .prefix import PrefixIndex, encode_salt
 from .reuse import PrefixReuse
-from .sequence import Sequence, check_batch, check_sequence, mark_all_planned, step_inputs
+from .sequence import Sequence, check_sequence, mark_all_planned, one_more_token, step_inputs
 from .store import KVStore
 from .tiers.config import open_tiers
 from .tiers.manager import attach_tiers
@@ -333,10 +333,9 @@ class PagedKVCache:
         stale once the cache reserves or releases pages.
         """
         with self._lock:
-            check_batch(seqs, self._owner)
-            page_lists, lens, computed, versions = step_inputs(seqs)
+            page_lists, lens, computed, versions, max_pages = step_inputs(seqs, self._owner)
             # the arrays fill only a large page table (and cost a call each)
-            big = len(seqs) * max(map(len, page_lists), default=0) > LIST_MAX_ENTRIES
+            big = len(seqs) * max_pages > LIST_MAX_ENTRIES
             plan = build_plan(page_lists, lens, computed, self._page_size,
                               [s.seq_id for s in seqs],
                               page_arrays=[s.page_array() for s in seqs] if big else None)
@@ -430,8 +429,8 @@ class PagedKVCache:
 
     def _batch_pages_needed(self, seqs: Any) -> int:
         """Pages that a token more for each of ``seqs`` takes, at most (checked)."""
-        check_batch(seqs, self._owner)
-        return sum(self._pages_needed(seq, 1) for seq in seqs)
+        total, tails = one_more_token(seqs, self._owner, self._page_size)
+        return total + sum(self.pool.ref_count(page) > 1 for page in tails)
 
     def _shared_tail(self, seq: Sequence) -> int | None:
         """The sequence's partly filled last page if another sequence holds it too."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from .errors import DTypeError, SequenceError
 
-__all__ = ["Sequence", "check_sequence", "check_batch", "step_inputs", "mark_all_planned"]
+__all__ = ["Sequence", "check_sequence", "step_inputs", "mark_all_planned", "one_more_token"]
 
 _TOKEN_BYTES = 8   # int64 little-endian token ids
 
@@ -288,35 +288,58 @@ def check_sequence(seq: Any, owner: int, name: str = "seq") -> None:
         raise SequenceError(f"Invalid {name}: sequence {seq.seq_id} was released")
 
 
-def check_batch(seqs: Any, owner: int) -> None:
-    """Refuse anything but a list (or tuple) of distinct live sequences of ``owner``."""
+# A decode step reserves, plans and marks its whole batch: the functions below
+# check and read (or update) its sequences in one pass each, without a call
+# per sequence and field (together a few us a step at batch 32). Each refuses
+# anything but a list or tuple of distinct live sequences of ``owner``.
+
+def step_inputs(seqs: Any, owner: int
+                ) -> tuple[list[list[int]], list[int], list[int], tuple[int, ...], int]:
+    """For a plan over ``seqs``: each one's page
+    list (its own: not to be changed), token count, planned token count and
+    version, and the most pages any of them holds."""
     if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
         raise DTypeError("Invalid seqs: expected a list of sequences")
     seen = set()
-    for seq in seqs:
-        check_sequence(seq, owner, "seqs")
-        if seq.seq_id in seen:
-            raise SequenceError(f"Invalid seqs: sequence {seq.seq_id} is listed twice")
-        seen.add(seq.seq_id)
-
-
-# A plan is built every decode step over the whole batch: these two read and
-# update its sequences in one pass each, without a method call per sequence
-# and field (together a few us a step at batch 32).
-
-def step_inputs(seqs: Any) -> tuple[list[list[int]], list[int], list[int], tuple[int, ...]]:
-    """For a plan over ``seqs``: each one's page list (its own: not to be
-    changed), token count, planned token count and version."""
     pages, lens, ctx, versions = [], [], [], []
+    max_pages = 0
     for s in seqs:
+        if type(s) is not Sequence or s._owner != owner or s._released:
+            check_sequence(s, owner, "seqs")   # raises, or passes a subclass
+        if s.seq_id in seen:
+            raise SequenceError(f"Invalid seqs: sequence {s.seq_id} is listed twice")
+        seen.add(s.seq_id)
         pages.append(s._page_ids)
+        max_pages = max(max_pages, len(s._page_ids))
         lens.append(len(s._tokens) // _TOKEN_BYTES)
         ctx.append(s._num_computed)
         versions.append(s._version)
-    return pages, lens, ctx, tuple(versions)
+    return pages, lens, ctx, tuple(versions), max_pages
 
 
 def mark_all_planned(seqs: Any, lens: list[int]) -> None:
     """:meth:`Sequence.mark_planned` of each of ``seqs``, ``lens`` being their token counts."""
     for s, n in zip(seqs, lens):
         s._num_computed = n
+
+
+def one_more_token(seqs: Any, owner: int, page_size: int) -> tuple[int, list[int]]:
+    """What a token more for each of ``seqs`` takes:
+    the new pages, and the partly filled last pages that a fork may share
+    (each one more page if its reference count says it is shared)."""
+    if isinstance(seqs, Sequence) or not isinstance(seqs, (list, tuple)):
+        raise DTypeError("Invalid seqs: expected a list of sequences")
+    seen = set()
+    total = 0
+    tails = []
+    for s in seqs:
+        if type(s) is not Sequence or s._owner != owner or s._released:
+            check_sequence(s, owner, "seqs")   # raises, or passes a subclass
+        if s.seq_id in seen:
+            raise SequenceError(f"Invalid seqs: sequence {s.seq_id} is listed twice")
+        seen.add(s.seq_id)
+        n = len(s._tokens) // _TOKEN_BYTES
+        total += -(-(n + 1) // page_size) - len(s._page_ids)
+        if s._may_share_tail and n % page_size:
+            tails.append(s._page_ids[-1])
+    return total, tails
