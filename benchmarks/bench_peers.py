@@ -40,8 +40,7 @@ def _build():
         folder = import_gguf(default_model_path(), weights="q4", family="gqa")
     except Exception as exc:   # a missing extra or model: asv skips
         raise NotImplementedError(f"needs onnxruntime-genai and SmolLM2: {exc}") from None
-    options = ort.SessionOptions()   # idle threads do not spin, as in pagedkv serve
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options = ort.SessionOptions()   # onnxruntime's defaults, as OrtDecoder's own
     dec = OrtDecoder.from_pretrained(str(folder), num_pages=256, max_batch_size=1,
                                      session_options=options)
     model = og.Model(str(folder))

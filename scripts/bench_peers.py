@@ -259,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0,
                         help="intra-op threads of the plain loop and OrtDecoder (0: onnxruntime's "
                              "default, one per core); onnxruntime-genai runs as it is configured")
-    parser.add_argument("--spin", action="store_true",
-                        help="let their idle intra-op threads spin-wait (onnxruntime's default; "
-                             "off here, as in pagedkv serve: spinning threads take the cores "
-                             "a busy machine needs)")
+    parser.add_argument("--no-spin", dest="spin", action="store_false",
+                        help="their idle intra-op threads do not spin-wait (spinning is "
+                             "onnxruntime's default and OrtDecoder's; pagedkv serve turns it "
+                             "off, since on a busy machine spinning threads take its cores)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the per-round figures here")
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                 cmd = [sys.executable, __file__, "--child", runtime, "--workload", workload,
                        "--folder", str(folder), "--chats", str(args.chats),
                        "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                cmd += ["--spin"] if args.spin else []
+                cmd += [] if args.spin else ["--no-spin"]
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                                       env=dict(os.environ))
                 if proc.returncode:
