@@ -60,7 +60,8 @@ INVALID_TOKENS = [
 ]
 INVALID_PROMPTS = INVALID_TOKENS + [[], np.zeros(0, np.int64)]
 INVALID_COUNTS = [None, "3", 2.5, np.float64(2.0), [1], True]
-INVALID_LAYOUTS = ["XYZ", None, 3, "BHT"]
+# None is not here: gather(layout=None) is the cache's gather_layout
+INVALID_LAYOUTS = ["XYZ", 3, "BHT", b"BHTD"]
 GARBAGE = [None, -1, 0, 1, 2**40, 1.5, "x", [], [[1]], np.array([1.0]), np.zeros((2, 2)),
            np.array([-1], np.int32), True, object()]
 
