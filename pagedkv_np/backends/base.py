@@ -1,5 +1,8 @@
 """The interface every array backend implements, with its input checks.
 
+(One interface: its float and int8 operations share their checks; most of
+its length is their numpydoc.)
+
 A backend is a set of stateless operations over the K/V store arrays and
 int32 index arrays. :class:`Backend` holds the public, validating methods;
 a concrete backend implements only the private ``_write``, ``_gather`` and

@@ -1,14 +1,8 @@
 """OrtDecoder: continuous batching over an ONNX decoder, K/V kept in a PagedKVCache.
 
-One :meth:`OrtDecoder.step` does, in order::
-
-    decode   every running request feeds its last token (one model call for
-             the batch); if the pool cannot give each one a slot, the
-             youngest requests are preempted (pages released into the
-             prefix index, recomputed later from prompt + generated tokens)
-    admit    waiting requests, oldest first, while the batch has room and the
-             pool has pages; each prefills only the part of its prompt the
-             prefix index does not hold (one model call per request)
+One :meth:`OrtDecoder.step` decodes a token for every running request, then
+admits and prefills waiting ones (:mod:`pagedkv_np.onnxruntime.batching`
+says how, and what a preemption does).
 
 Why the data moves as it does:
 

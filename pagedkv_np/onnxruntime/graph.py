@@ -3,6 +3,8 @@
 RMSNorm, rotate-half rotary embedding, grouped-query attention (optional
 Q/K/V bias, as Qwen2 has), a SwiGLU MLP and an LM head that is its own
 matrix or the embedding's transpose. Built with ``onnx.helper``; no torch.
+(Both I/O families and the NumPy reference of the same network stay in this
+one module, a little over 450 lines, so that the two cannot drift apart.)
 
 Every linear layer is either a float array (float32, or float16 stored as
 such and cast once when the session loads) or a
