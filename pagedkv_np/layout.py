@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import enum
 import numbers
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DTypeError, LayoutError, ShapeError
+from .errors import ConfigError, DTypeError, LayoutError, PageIdError, ShapeError
 
 try:  # ml_dtypes is a hard dependency, but keep import errors readable.
     import ml_dtypes
@@ -32,6 +32,7 @@ except ImportError:  # pragma: no cover - ml_dtypes is in the requirements
     _BFLOAT16 = None
 
 __all__ = [
+    "StoreDims",
     "StoreLayout",
     "OutputLayout",
     "SUPPORTED_DTYPES",
@@ -41,6 +42,9 @@ __all__ = [
     "check_array",
     "check_positive_int",
     "check_nonneg_int",
+    "is_int",
+    "check_int",
+    "check_index",
     "describe",
     "shown",
 ]
@@ -61,11 +65,73 @@ class _Layout(str, enum.Enum):
         raise LayoutError(f"Invalid {name}: expected one of {choices}, got {shown(value)}")
 
 
+class StoreDims(NamedTuple):
+    """The sizes of a K (or V) store, whatever its layout."""
+
+    num_layers: int
+    num_pages: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class StoreLayout(_Layout):
     """Axis order of the K/V store (see the module docstring)."""
 
     NHD = "NHD"
     HND = "HND"
+
+    # Methods and properties are not members: an Enum makes members only of
+    # plain class attributes, never of functions or descriptors.
+
+    def shape(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[int, int, int, int, int]:
+        """The 5-D shape of a K (or V) store in this layout.
+
+        Returns
+        -------
+        tuple of 5 ints
+            ``[num_layers, num_pages, page_size, num_kv_heads, head_dim]`` for
+            NHD, ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]``
+            for HND.
+        """
+        if self is StoreLayout.NHD:
+            return (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        return (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+
+    def dims(self, shape: Sequence[int]) -> StoreDims:
+        """The sizes behind a 5-D store ``shape`` in this layout (the inverse
+        of :meth:`shape`).
+
+        Raises
+        ------
+        ShapeError
+            If ``shape`` does not have 5 entries.
+        """
+        if len(shape) != 5:
+            raise ShapeError(
+                f"Invalid store shape: expected 5 dimensions, got {list(shape)}")
+        num_layers, num_pages, a, b, head_dim = shape
+        if self is StoreLayout.NHD:
+            return StoreDims(num_layers, num_pages, a, b, head_dim)
+        return StoreDims(num_layers, num_pages, b, a, head_dim)
+
+    @property
+    def offset_axis(self) -> int:
+        """Axis of the within-page token offset in the 5-D store (2 for NHD,
+        3 for HND)."""
+        return 2 if self is StoreLayout.NHD else 3
+
+    @property
+    def head_axis(self) -> int:
+        """Axis of the KV head in the 5-D store (3 for NHD, 2 for HND)."""
+        return 3 if self is StoreLayout.NHD else 2
 
 
 class OutputLayout(_Layout):
@@ -73,6 +139,30 @@ class OutputLayout(_Layout):
 
     BTHD = "BTHD"
     BHTD = "BHTD"
+
+    def shape(
+        self, num_seqs: int, num_positions: int, num_kv_heads: int, head_dim: int,
+    ) -> tuple[int, int, int, int]:
+        """The 4-D shape of one layer's gathered K (or V) in this layout.
+
+        Returns
+        -------
+        tuple of 4 ints
+            ``[num_seqs, num_positions, num_kv_heads, head_dim]`` for BTHD,
+            ``[num_seqs, num_kv_heads, num_positions, head_dim]`` for BHTD.
+        """
+        if self is OutputLayout.BTHD:
+            return (num_seqs, num_positions, num_kv_heads, head_dim)
+        return (num_seqs, num_kv_heads, num_positions, head_dim)
+
+    @property
+    def t_axis(self) -> int:
+        """Axis of the position in the 4-D output (1 for BTHD, 2 for BHTD)."""
+        return 1 if self is OutputLayout.BTHD else 2
+
+    def num_positions(self, shape: Sequence[int]) -> int:
+        """The number of positions of a 4-D output ``shape`` in this layout."""
+        return shape[1 if self is OutputLayout.BTHD else 2]
 
 
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
@@ -126,10 +216,9 @@ def store_shape(
     num_kv_heads: int,
     head_dim: int,
 ) -> tuple[int, int, int, int, int]:
-    """Shape of the K (or V) store for ``layout``."""
-    if StoreLayout.parse(layout) is StoreLayout.NHD:
-        return (num_layers, num_pages, page_size, num_kv_heads, head_dim)
-    return (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+    """Shape of the K (or V) store for ``layout`` (see :meth:`StoreLayout.shape`)."""
+    return StoreLayout.parse(layout).shape(num_layers, num_pages, page_size,
+                                           num_kv_heads, head_dim)
 
 
 def describe(x: Any) -> str:
@@ -197,19 +286,55 @@ def shown(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integral number (a Python or NumPy int), not a bool."""
+    # numpy.bool_ is not a numbers.Integral; only Python's bool needs ruling out.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_int(value: Any, name: str) -> int:
+    """Return ``value`` as an int if :func:`is_int`, else raise.
+
+    Raises
+    ------
+    DTypeError
+        If ``value`` is not an integer (a bool is not one).
+    """
+    if type(value) is int:   # the common case, before the slower ABC check
+        return value
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        return int(value)
+    raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
+
+
+def check_index(value: Any, name: str, bound: int,
+                error: type[Exception] = PageIdError) -> int:
+    """Return ``value`` as an int if it is an integer with ``0 <= value < bound``.
+
+    Raises
+    ------
+    DTypeError
+        If ``value`` is not an integer.
+    error
+        (:class:`PageIdError` unless given) if it is out of range.
+    """
+    index = check_int(value, name)
+    if not 0 <= index < bound:
+        raise error(f"Invalid {name}: expected 0 <= {name} < {bound}, got {shown(index)}")
+    return index
+
+
 def check_positive_int(value: Any, name: str) -> int:
     """Return ``value`` as an int if it is an integer >= 1, else raise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
-    if value < 1:
+    number = check_int(value, name)
+    if number < 1:
         raise ConfigError(f"Invalid {name}: expected an integer >= 1, got {shown(value)}")
-    return int(value)
+    return number
 
 
 def check_nonneg_int(value: Any, name: str) -> int:
     """Return ``value`` as an int if it is an integer >= 0, else raise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
-    if value < 0:
+    number = check_int(value, name)
+    if number < 0:
         raise ConfigError(f"Invalid {name}: expected an integer >= 0, got {shown(value)}")
-    return int(value)
+    return number

@@ -4,15 +4,27 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pagedkv_np.errors import ConfigError, DTypeError, LayoutError, PagedKVError, ShapeError
+from pagedkv_np.errors import (
+    ConfigError,
+    DTypeError,
+    LayoutError,
+    PagedKVError,
+    PageIdError,
+    SequenceError,
+    ShapeError,
+)
 from pagedkv_np.layout import (
     SUPPORTED_DTYPES,
     OutputLayout,
+    StoreDims,
     StoreLayout,
     bits_view_dtype,
     check_array,
+    check_index,
+    check_int,
     check_nonneg_int,
     check_positive_int,
+    is_int,
     describe,
     resolve_dtype,
     store_shape,
@@ -83,6 +95,98 @@ def test_store_shape_nhd_and_hnd():
         store_shape("XYZ", 2, 10, 16, 4, 8)
 
 
+def test_layout_methods_add_no_members():
+    assert [m.value for m in StoreLayout] == ["NHD", "HND"]
+    assert [m.value for m in OutputLayout] == ["BTHD", "BHTD"]
+    assert list(StoreLayout.__members__) == ["NHD", "HND"]
+    assert list(OutputLayout.__members__) == ["BTHD", "BHTD"]
+
+
+def test_store_layout_shape_puts_page_size_and_heads_on_their_axes():
+    assert StoreLayout.NHD.shape(2, 10, 16, 4, 8) == (2, 10, 16, 4, 8)
+    assert StoreLayout.HND.shape(2, 10, 16, 4, 8) == (2, 10, 4, 16, 8)
+    for layout in StoreLayout:
+        shape = layout.shape(2, 10, 16, 4, 8)
+        assert shape[layout.offset_axis] == 16
+        assert shape[layout.head_axis] == 4
+        # The shape matches where an actual array puts a page's token offset.
+        store = np.zeros(shape, np.float32)
+        index = [1, 3, slice(None), slice(None), slice(None)]
+        index[layout.offset_axis], index[layout.head_axis] = 5, 2
+        store[tuple(index)] = 1.0
+        if layout is StoreLayout.NHD:
+            assert store[1, 3, 5, 2].all() and store.sum() == 8
+        else:
+            assert store[1, 3, 2, 5].all() and store.sum() == 8
+
+
+def test_store_layout_axes():
+    assert (StoreLayout.NHD.offset_axis, StoreLayout.NHD.head_axis) == (2, 3)
+    assert (StoreLayout.HND.offset_axis, StoreLayout.HND.head_axis) == (3, 2)
+    assert StoreLayout.parse("hnd").offset_axis == 3
+    assert StoreLayout.parse("nhd").head_axis == 3
+
+
+def test_store_layout_dims_inverts_shape():
+    for layout in StoreLayout:
+        dims = layout.dims(layout.shape(2, 10, 16, 4, 8))
+        assert dims == StoreDims(2, 10, 16, 4, 8)
+        assert (dims.num_layers, dims.num_pages, dims.page_size, dims.num_kv_heads,
+                dims.head_dim) == (2, 10, 16, 4, 8)
+    assert StoreLayout.HND.dims((2, 10, 4, 16, 8)).page_size == 16
+    assert StoreLayout.NHD.dims(np.zeros((1, 2, 3, 4, 5)).shape).num_kv_heads == 4
+    with pytest.raises(ShapeError, match=r"expected 5 dimensions, got \[1, 2, 3\]"):
+        StoreLayout.NHD.dims((1, 2, 3))
+
+
+def test_output_layout_shape_and_positions():
+    assert OutputLayout.BTHD.shape(3, 7, 4, 8) == (3, 7, 4, 8)
+    assert OutputLayout.BHTD.shape(3, 7, 4, 8) == (3, 4, 7, 8)
+    assert (OutputLayout.BTHD.t_axis, OutputLayout.BHTD.t_axis) == (1, 2)
+    assert OutputLayout.parse("bhtd").t_axis == 2
+    for layout in OutputLayout:
+        shape = layout.shape(3, 7, 4, 8)
+        assert layout.num_positions(shape) == 7 == shape[layout.t_axis]
+        assert layout.num_positions(np.zeros(shape).shape) == 7
+
+
+@pytest.mark.parametrize("value, expected", [
+    (0, True), (-3, True), (np.int64(2), True), (np.uint8(1), True), (2**70, True),
+    (True, False), (False, False), (np.bool_(True), False), (1.0, False),
+    (np.float32(1), False), ("1", False), (None, False)])
+def test_is_int(value, expected):
+    assert is_int(value) is expected
+
+
+def test_check_int():
+    assert check_int(-4, "n") == -4
+    out = check_int(np.int32(5), "n")
+    assert out == 5 and type(out) is int
+    for bad, type_name in [(True, "bool"), (2.0, "float"), ("2", "str"), (None, "NoneType")]:
+        with pytest.raises(DTypeError, match=f"^Invalid n: expected an integer, got {type_name}$"):
+            check_int(bad, "n")
+
+
+def test_check_index():
+    assert check_index(0, "page_id", 4) == 0
+    out = check_index(np.int64(3), "page_id", 4)
+    assert out == 3 and type(out) is int
+    for bad in (4, -1, 2**70):
+        with pytest.raises(PageIdError) as info:
+            check_index(bad, "page_id", 4)
+        assert str(info.value).startswith("Invalid page_id: expected 0 <= page_id < 4, got ")
+    with pytest.raises(PageIdError, match=r"got 4$"):
+        check_index(4, "page_id", 4)
+    with pytest.raises(PageIdError, match=r"got an integer of 71 bits$"):
+        check_index(2**70, "page_id", 4)
+    with pytest.raises(SequenceError, match=r"^Invalid slot: expected 0 <= slot < 2, got 2$"):
+        check_index(2, "slot", 2, SequenceError)
+    with pytest.raises(DTypeError, match="Invalid page_id: expected an integer, got bool"):
+        check_index(True, "page_id", 4)
+    with pytest.raises(PageIdError):
+        check_index(0, "page_id", 0)
+
+
 def test_check_array_accepts_a_matching_array():
     x = np.zeros((3, 4), np.float32)
     assert check_array(x, "x", shape=(3, None), dtype=np.dtype(np.float32),
@@ -144,8 +248,10 @@ def test_check_nonneg_int():
     assert check_nonneg_int(np.int32(5), "n") == 5
     with pytest.raises(ConfigError, match="Invalid n: expected an integer >= 0, got -1"):
         check_nonneg_int(-1, "n")
-    with pytest.raises(DTypeError, match="Invalid n"):
+    with pytest.raises(DTypeError, match="Invalid n: expected an integer, got bool"):
         check_nonneg_int(False, "n")
+    with pytest.raises(ConfigError, match="got an integer of 71 bits"):
+        check_nonneg_int(-2**70, "n")
 
 
 def test_describe():
