@@ -73,22 +73,14 @@ def _i32(value: int, name: str) -> np.int32:
     return np.int32(value)
 
 
-def _store_dims(store_shape: tuple[int, ...], layout: StoreLayout) -> tuple[int, int, int]:
-    """(page_size, num_kv_heads, head_dim) of a store of ``store_shape``."""
-    _, _, a, b, head_dim = store_shape
-    page_size, num_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
-    return page_size, num_heads, head_dim
-
-
-def _store_strides(page_size: int, num_heads: int, row_bytes: int,
-                   layout: StoreLayout) -> tuple[int, int, int]:
-    """Byte strides of (page, offset in page, head) within one layer of a
+def _store_rows(page_size: int, num_heads: int, layout: StoreLayout) -> tuple[int, int, int]:
+    """Strides in store rows (one head's head_dim elements, or its scales) of
+    a page, an offset in a page and a head, within one layer of a
     C-contiguous store, from its shape (never from ``.strides``, which a
     contiguous array may hold arbitrary for axes of length 1)."""
-    page = page_size * num_heads * row_bytes
-    if layout is StoreLayout.NHD:
-        return page, num_heads * row_bytes, row_bytes
-    return page, row_bytes, page_size * row_bytes
+    _, _, a, b, _ = layout.shape(1, 1, page_size, num_heads, 1)
+    rows = (b, 1)   # the strides of axes 2 and 3
+    return a * b, rows[layout.offset_axis - 2], rows[layout.head_axis - 2]
 
 
 def row_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
@@ -134,7 +126,7 @@ def plan_write(layout: StoreLayout, store_shape: tuple[int, ...], itemsize: int,
     The kernel's pointer arguments, in order: K layer, V layer, k, v,
     slot_mapping.
     """
-    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    _, _, page_size, num_heads, head_dim = layout.dims(store_shape)
     if num_tokens == 0 or num_heads * head_dim == 0:
         return None
     row_bytes = head_dim * itemsize
@@ -146,8 +138,7 @@ def plan_write(layout: StoreLayout, store_shape: tuple[int, ...], itemsize: int,
             min(_ceil_div(num_heads, block[1]), _MAX_GRID_YZ), 1)
     scalars = (_i32(num_tokens, "slot_mapping length"), np.int32(num_heads),
                np.int32(row_words), np.int32(page_size),
-               *(np.int64(s // word) for s in _store_strides(page_size, num_heads, row_bytes,
-                                                             layout)),
+               *(np.int64(r * row_words) for r in _store_rows(page_size, num_heads, layout)),
                *(np.int64(s // word) for s in in_strides))
     return LaunchPlan("paged_write.cu", f"paged_write_b{word}", grid, block, scalars)
 
@@ -163,15 +154,14 @@ def plan_gather(layout: StoreLayout, out_layout: OutputLayout, store_shape: tupl
     K layer, V layer, k_out, v_out, page_table ([num_seqs, max_pages],
     C-contiguous), seq_lens.
     """
-    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    _, _, page_size, num_heads, head_dim = layout.dims(store_shape)
     if num_seqs * num_positions * num_heads * head_dim == 0:
         return None
     row_bytes = head_dim * itemsize
-    if out_layout is OutputLayout.BTHD:
-        out_strides = (num_positions * num_heads * row_bytes, num_heads * row_bytes, row_bytes)
-    else:
-        out_strides = (num_heads * num_positions * row_bytes, row_bytes,
-                       num_positions * row_bytes)
+    _, a, b, _ = out_layout.shape(num_seqs, num_positions, num_heads, head_dim)
+    axes = (a * b * row_bytes, b * row_bytes, row_bytes)   # strides of axes 0, 1, 2
+    t_axis = out_layout.t_axis
+    out_strides = (axes[0], axes[t_axis], axes[3 - t_axis])   # (seq, position, head)
     word = word_bytes(itemsize, row_bytes, addresses)
     row_words = row_bytes // word
     block = block_shape(row_words, num_heads)
@@ -181,8 +171,7 @@ def plan_gather(layout: StoreLayout, out_layout: OutputLayout, store_shape: tupl
     scalars = (_i32(num_seqs, "page_table rows"), _i32(max_pages, "page_table columns"),
                _i32(num_positions, "out positions"), np.int32(num_heads),
                np.int32(row_words), np.int32(page_size),
-               *(np.int64(s // word) for s in _store_strides(page_size, num_heads, row_bytes,
-                                                             layout)),
+               *(np.int64(r * row_words) for r in _store_rows(page_size, num_heads, layout)),
                *(np.int64(s // word) for s in out_strides))
     return LaunchPlan("paged_gather.cu", f"paged_gather_b{word}", grid, block, scalars)
 
@@ -216,14 +205,6 @@ def _kind_suffix(dtype: Any) -> str:
     return "f16" if dtype == np.dtype(np.float16) else "bf16"
 
 
-def _store_rows(page_size: int, num_heads: int, layout: StoreLayout) -> tuple[int, int, int]:
-    """Strides in store rows (one head's head_dim codes, or its scales) of a
-    page, an offset in a page and a head, within one layer."""
-    if layout is StoreLayout.NHD:
-        return page_size * num_heads, num_heads, 1
-    return page_size * num_heads, 1, page_size
-
-
 def plan_write_quantized(layout: StoreLayout, store_shape: tuple[int, ...], dtype: Any,
                          num_tokens: int, group: int, k_strides: tuple[int, int],
                          v_strides: tuple[int, int]) -> LaunchPlan | None:
@@ -243,7 +224,7 @@ def plan_write_quantized(layout: StoreLayout, store_shape: tuple[int, ...], dtyp
     The kernel's pointer arguments, in order: K codes' layer, V codes' layer,
     K scales' layer, V scales' layer, k, v, slot_mapping.
     """
-    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    _, _, page_size, num_heads, head_dim = layout.dims(store_shape)
     num_groups = head_dim // group
     work = num_tokens * num_heads * num_groups
     if work == 0:
@@ -266,7 +247,7 @@ def plan_gather_quantized(layout: StoreLayout, out_layout: OutputLayout,
     order: K codes' layer, V codes' layer, K scales' layer, V scales' layer,
     k_out, v_out, page_table ([num_seqs, max_pages], C-contiguous), seq_lens.
     """
-    page_size, num_heads, head_dim = _store_dims(store_shape, layout)
+    _, _, page_size, num_heads, head_dim = layout.dims(store_shape)
     work = num_seqs * num_positions * num_heads * head_dim
     if work == 0:
         return None

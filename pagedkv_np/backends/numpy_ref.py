@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import OutputLayout, StoreLayout, bits_view_dtype
+from ..layout import bits_view_dtype
 from ..quant import dequantize, quantize
 from .base import Backend
 
@@ -32,36 +32,30 @@ class NumpyBackend(Backend):
         return None
 
     def _write(self, k_cache, v_cache, layer, slot_mapping, k, v, layout):
-        page_size = k_cache.shape[2] if layout is StoreLayout.NHD else k_cache.shape[3]
+        page_size = k_cache.shape[layout.offset_axis]
         keep = slot_mapping >= 0
         slots = slot_mapping[keep].astype(np.int64)
         page_ids, offsets = slots // page_size, slots % page_size
         for store, new in ((k_cache, k), (v_cache, v)):
-            dst, src = _bits(store[layer]), _bits(np.ascontiguousarray(new))[keep]
-            if layout is StoreLayout.NHD:
-                dst[page_ids, offsets] = src
-            else:  # [page, head, offset, dim]: the head axis stays a slice
-                dst[page_ids, :, offsets] = src
+            # a view of the layer as [page, offset, head, dim], whatever the layout
+            dst = np.moveaxis(_bits(store[layer]), layout.offset_axis - 1, 1)
+            dst[page_ids, offsets] = _bits(np.ascontiguousarray(new))[keep]
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
                 layout, out_layout):
-        page_size = k_cache.shape[2] if layout is StoreLayout.NHD else k_cache.shape[3]
+        page_size = k_cache.shape[layout.offset_axis]
         for store, out in ((k_cache, k_out), (v_cache, v_out)):
             src_layer, dst = _bits(store[layer]), _bits(out)
             dst[...] = 0
+            dst = np.moveaxis(dst, out_layout.t_axis, 1)   # a view as [B, T, head, dim]
             for b in range(page_table.shape[0]):
                 n = int(seq_lens[b])
                 if n == 0:
                     continue
                 num_used = -(-n // page_size)
-                pages = src_layer[page_table[b, :num_used]]
-                if layout is StoreLayout.HND:
-                    pages = pages.transpose(0, 2, 1, 3)  # -> [page, offset, head, dim]
-                tokens = pages.reshape(num_used * page_size, *pages.shape[2:])[:n]
-                if out_layout is OutputLayout.BTHD:
-                    dst[b, :n] = tokens
-                else:
-                    dst[b, :, :n] = tokens.transpose(1, 0, 2)
+                # -> [page, offset, head, dim]
+                pages = np.moveaxis(src_layer[page_table[b, :num_used]], layout.offset_axis - 1, 1)
+                dst[b, :n] = pages.reshape(num_used * page_size, *pages.shape[2:])[:n]
 
     def _copy_pages(self, k_cache, v_cache, src_pages, dst_pages, layout):
         for store in (k_cache, v_cache):
