@@ -9,6 +9,10 @@ shows up as a data mismatch.
 
 ``cache_state`` snapshots everything a PagedKVCache, PagedCache or PagePool
 owns, for "an error changed nothing" checks.
+
+``cache_backend`` runs a test once per built-in backend (ids ``numpy``,
+``numba``, ``cupy``); a backend that cannot run on this machine is skipped
+with the reason its :class:`BackendUnavailable` gives.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import zlib
 import numpy as np
 import pytest
 
+from pagedkv_np.backends import get_backend
+from pagedkv_np.errors import BackendUnavailable
 from pagedkv_np.layout import resolve_dtype
 
 from helpers import bits
@@ -26,6 +32,9 @@ from helpers import bits
 # round trip through float16 and bfloat16 unchanged).
 _EXACT = {"float32": 1 << 20, "float16": 1 << 11, "bfloat16": 1 << 8}
 _M64 = (1 << 64) - 1
+
+# The backends built into the package, in the order the tests run over them.
+CACHE_BACKENDS = ("numpy", "numba", "cupy")
 
 
 def _prefix_hashes(tokens, salt) -> np.ndarray:
@@ -74,14 +83,14 @@ def snapshot(obj) -> dict:
                   *map(tuple, s.links()))
             for sid, s in obj._live.items()}
         state["epoch"] = obj._epoch
-        state["k"] = obj.k_cache.copy()
-        state["v"] = obj.v_cache.copy()
+        state["k"] = np.array(obj.backend.to_numpy(obj.k_cache))   # a host copy
+        state["v"] = np.array(obj.backend.to_numpy(obj.v_cache))
     elif isinstance(obj, PagedCache):
         pool = obj._pool
         index = obj._index
         state["counters"] = (obj.lookup_hits, obj.lookup_misses)
-        state["k"] = obj.k_cache.copy()
-        state["v"] = obj.v_cache.copy()
+        state["k"] = np.array(obj._backend.to_numpy(obj.k_cache))
+        state["v"] = np.array(obj._backend.to_numpy(obj.v_cache))
     else:  # pragma: no cover - a test bug
         raise TypeError(type(obj))
     if not isinstance(obj, PagePool):
@@ -119,3 +128,34 @@ def state_of():
 def same_state():
     """``same_state(before, after)`` asserts two ``state_of`` snapshots agree."""
     return assert_same_state
+
+
+def _unavailable(name: str) -> str | None:
+    """Why backend ``name`` cannot run here, or None when it can."""
+    try:
+        get_backend(name)
+    except BackendUnavailable as exc:
+        return str(exc)
+    return None
+
+
+@pytest.fixture(params=CACHE_BACKENDS)
+def cache_backend(request) -> str:
+    """The name of each built-in backend in turn; one that is unavailable on
+    this machine skips, with the reason it is unavailable."""
+    reason = _unavailable(request.param)
+    if reason is not None:
+        pytest.skip(reason)
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def examples_per_backend():
+    """``examples_per_backend(n) -> int``: a share of an example budget of
+    ``n`` for each backend that runs here, so that running over every
+    backend keeps the total number of examples (and the run time) at ``n``."""
+    num_running = sum(_unavailable(name) is None for name in CACHE_BACKENDS)
+
+    def share(n: int) -> int:
+        return max(1, -(-n // max(1, num_running)))
+    return share

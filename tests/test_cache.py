@@ -26,10 +26,18 @@ def bits(x):
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
-def make_cache(num_layers=2, num_pages=32, page_size=4, num_kv_heads=2, head_dim=3, **kw):
+def make_cache(backend, num_layers=2, num_pages=32, page_size=4, num_kv_heads=2, head_dim=3,
+               **kw):
     kw.setdefault("dtype", "float32")
-    kw.setdefault("backend", "numpy")
-    return PagedKVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim, **kw)
+    return PagedKVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim,
+                        backend=backend, **kw)
+
+
+def filled(cache, shape, value):
+    """An array of the cache's backend and dtype, every element ``value``."""
+    x = cache.backend.empty(shape, cache.dtype)
+    x[...] = value
+    return x
 
 
 def write_step(cache, plan, seqs, expected_kv):
@@ -52,6 +60,7 @@ def assert_gathered(cache, plan, seqs, expected_kv, layout="BTHD", out=None, num
         k, v = cache.gather(layer, plan, layout=layout, out=out, num_positions=num_positions)
         if out is not None:
             assert k is out[0] and v is out[1]
+        k, v = cache.backend.to_numpy(k), cache.backend.to_numpy(v)
         if OutputLayout.parse(layout) is OutputLayout.BHTD:
             k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         assert k.dtype == cache.dtype
@@ -75,8 +84,8 @@ def run_prompt(cache, prompt, expected_kv, salt=None):
 
 # ------------------------------------------------------------------- flows
 
-def test_the_documented_flow(expected_kv):
-    cache = PagedKVCache(2, 64, 16, 2, 8, dtype="float32", backend="numpy",
+def test_the_documented_flow(expected_kv, cache_backend):
+    cache = PagedKVCache(2, 64, 16, 2, 8, dtype="float32", backend=cache_backend,
                          partial_page_reuse=False)
     prompt = list(range(100, 140))  # 2 full pages and 8 tokens
     seq = cache.add_sequence(prompt)
@@ -84,13 +93,14 @@ def test_the_documented_flow(expected_kv):
     new = prompt[seq.num_cached_tokens:]
     cache.extend(seq, new)
     plan = cache.plan([seq])
-    k_buf = np.full((1, 2, 48, 8), np.nan, np.float32)
-    v_buf = np.full((1, 2, 48, 8), np.nan, np.float32)
+    k_buf = filled(cache, (1, 2, 48, 8), np.nan)
+    v_buf = filled(cache, (1, 2, 48, 8), np.nan)
     for layer in range(2):
         k_new, v_new = expected_kv(prompt, None, layer, 2, 8, "float32")
         cache.write(layer, plan, k_new, v_new)
         k, v = cache.gather(layer, plan, layout="BHTD", out=(k_buf, v_buf))
         assert k is k_buf and v is v_buf
+        k, v = cache.backend.to_numpy(k), cache.backend.to_numpy(v)
         assert np.array_equal(k[0].transpose(1, 0, 2)[:40], k_new)
         assert np.array_equal(v[0].transpose(1, 0, 2)[:40], v_new)
         assert not k[0, :, 40:].any() and not v[0, :, 40:].any()
@@ -107,8 +117,9 @@ def test_the_documented_flow(expected_kv):
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 @pytest.mark.parametrize("out_layout", ["BTHD", "BHTD"])
-def test_prefill_and_decode_round_trip(expected_kv, dtype, layout, page_size, out_layout):
-    cache = make_cache(num_pages=64, page_size=page_size, dtype=dtype, layout=layout)
+def test_prefill_and_decode_round_trip(expected_kv, dtype, layout, page_size, out_layout,
+                                       cache_backend):
+    cache = make_cache(cache_backend, num_pages=64, page_size=page_size, dtype=dtype, layout=layout)
     assert cache.layout is StoreLayout(layout) and cache.dtype == resolve_dtype(dtype)
     prompts = [list(range(1, 8)), list(range(50, 50 + 2 * page_size)), [7, 7, 7, 7, 7]]
     seqs = []
@@ -129,21 +140,21 @@ def test_prefill_and_decode_round_trip(expected_kv, dtype, layout, page_size, ou
     # Preallocated buffers longer than needed: the tail is zeroed.
     t = int(plan.seq_lens.max()) + 5
     shape = (3, t, 2, 3) if out_layout == "BTHD" else (3, 2, t, 3)
-    out = (np.ones(shape, cache.dtype), np.ones(shape, cache.dtype))
+    out = (filled(cache, shape, 1), filled(cache, shape, 1))
     assert_gathered(cache, plan, seqs, expected_kv, out_layout, out=out)
     assert_gathered(cache, plan, seqs, expected_kv, out_layout, num_positions=t)
     cache.check_invariants()
 
 
-def test_gather_default_layout_is_bhtd(expected_kv):
-    cache = make_cache()
+def test_gather_default_layout_is_bhtd(expected_kv, cache_backend):
+    cache = make_cache(cache_backend)
     seq, plan = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     k, v = cache.gather(0, plan)
     assert k.shape == (1, 2, 5, 3)
 
 
-def test_prefix_reuse_across_requests(expected_kv):
-    cache = make_cache(page_size=4, partial_page_reuse=False)
+def test_prefix_reuse_across_requests(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=4, partial_page_reuse=False)
     system = list(range(1000, 1010))  # 10 tokens: 2 full pages shared
     first, _ = run_prompt(cache, system + [1, 2, 3], expected_kv)
     first_pages = first.page_ids
@@ -160,8 +171,8 @@ def test_prefix_reuse_across_requests(expected_kv):
     cache.check_invariants()
 
 
-def test_live_sequences_share_prefix_pages(expected_kv):
-    cache = make_cache(page_size=2)
+def test_live_sequences_share_prefix_pages(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=2)
     a, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     b, plan_b = run_prompt(cache, [1, 2, 3, 4, 9, 9], expected_kv)
     assert b.num_cached_tokens == 4 and b.page_ids[:2] == a.page_ids[:2]
@@ -173,8 +184,8 @@ def test_live_sequences_share_prefix_pages(expected_kv):
     cache.check_invariants()
 
 
-def test_release_frees_tail_first_and_keeps_full_pages(expected_kv):
-    cache = make_cache(num_pages=8, page_size=2, partial_page_reuse=False)
+def test_release_frees_tail_first_and_keeps_full_pages(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, num_pages=8, page_size=2, partial_page_reuse=False)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7], expected_kv)
     pages = seq.page_ids
     cache.release(seq)
@@ -185,8 +196,9 @@ def test_release_frees_tail_first_and_keeps_full_pages(expected_kv):
     assert cache.stats.pages_evictable == 3 and cache.stats.pages_used == 0
 
 
-def test_full_pages_are_indexed_only_after_the_plan_is_followed_by_a_call(expected_kv):
-    cache = make_cache(page_size=2)
+def test_full_pages_are_indexed_only_after_the_plan_is_followed_by_a_call(expected_kv,
+                                                                          cache_backend):
+    cache = make_cache(cache_backend, page_size=2)
     seq = cache.add_sequence([1, 2, 3, 4, 5])
     cache.extend(seq, [1, 2, 3, 4, 5])
     assert len(cache.index) == 0
@@ -198,8 +210,8 @@ def test_full_pages_are_indexed_only_after_the_plan_is_followed_by_a_call(expect
     assert probe.num_cached_tokens == 4
 
 
-def test_extend_evicts_least_recently_used_cached_pages(expected_kv):
-    cache = make_cache(num_pages=6, page_size=2, partial_page_reuse=False)
+def test_extend_evicts_least_recently_used_cached_pages(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, num_pages=6, page_size=2, partial_page_reuse=False)
     old, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)   # 2 full pages + 1
     old_pages = old.page_ids
     cache.release(old)
@@ -213,8 +225,8 @@ def test_extend_evicts_least_recently_used_cached_pages(expected_kv):
     assert probe.num_cached_tokens == 2
 
 
-def test_extend_out_of_pages_changes_nothing(expected_kv, state_of, same_state):
-    cache = make_cache(num_pages=6, page_size=2)
+def test_extend_out_of_pages_changes_nothing(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend, num_pages=6, page_size=2)
     old, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     cache.release(old)
     seq = cache.add_sequence([5, 6, 7])
@@ -231,11 +243,11 @@ def test_extend_out_of_pages_changes_nothing(expected_kv, state_of, same_state):
 
 
 def test_extend_out_of_pages_right_after_a_step_changes_nothing(expected_kv, state_of,
-                                                                same_state):
+                                                                same_state, cache_backend):
     # errors.py: an operation that raises has changed nothing, the prefix
     # index included. Here the step's full pages are still waiting to be
     # indexed when extend runs out of pages.
-    cache = make_cache(num_pages=3, page_size=2)
+    cache = make_cache(cache_backend, num_pages=3, page_size=2)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)  # planned and written
     before = state_of(cache)
     with pytest.raises(OutOfPages):
@@ -243,8 +255,8 @@ def test_extend_out_of_pages_right_after_a_step_changes_nothing(expected_kv, sta
     same_state(before, state_of(cache))
 
 
-def test_write_accepts_strided_k_and_v(expected_kv):
-    cache = make_cache(layout="HND")
+def test_write_accepts_strided_k_and_v(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, layout="HND")
     seq = cache.add_sequence([1, 2, 3, 4, 5])
     cache.extend(seq, [1, 2, 3, 4, 5])
     plan = cache.plan([seq])
@@ -259,8 +271,8 @@ def test_write_accepts_strided_k_and_v(expected_kv):
     assert_gathered(cache, plan, [seq], expected_kv)
 
 
-def test_extend_by_nothing_is_a_no_op(expected_kv, state_of, same_state):
-    cache = make_cache()
+def test_extend_by_nothing_is_a_no_op(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq, plan = run_prompt(cache, [1, 2, 3], expected_kv)
     cache.plan([seq])
     before = state_of(cache)
@@ -269,8 +281,8 @@ def test_extend_by_nothing_is_a_no_op(expected_kv, state_of, same_state):
     cache.gather(0, plan)  # the plan is still current
 
 
-def test_num_pages_needed():
-    cache = make_cache(page_size=4)
+def test_num_pages_needed(cache_backend):
+    cache = make_cache(cache_backend, page_size=4)
     seq = cache.add_sequence([1])
     assert cache.num_pages_needed(seq, 0) == 0
     assert cache.num_pages_needed(seq, 1) == 1
@@ -285,8 +297,8 @@ def test_num_pages_needed():
 # ------------------------------------------------------------------ fork
 
 @pytest.mark.parametrize("first", ["child", "parent"])
-def test_fork_copies_a_shared_partial_page_on_first_extend(expected_kv, first):
-    cache = make_cache(page_size=4)
+def test_fork_copies_a_shared_partial_page_on_first_extend(expected_kv, first, cache_backend):
+    cache = make_cache(cache_backend, page_size=4)
     parent, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6], expected_kv)  # last page half full
     child = cache.fork(parent)
     assert child.page_ids == parent.page_ids and child.seq_id != parent.seq_id
@@ -295,7 +307,8 @@ def test_fork_copies_a_shared_partial_page_on_first_extend(expected_kv, first):
     assert child.salt == parent.salt
     shared = parent.page_ids[1]
     assert cache.pool.ref_count(shared) == 2
-    snapshot_shared = (cache.k_cache[:, shared].copy(), cache.v_cache[:, shared].copy())
+    host = cache.backend.to_numpy
+    snapshot_shared = (host(cache.k_cache)[:, shared].copy(), host(cache.v_cache)[:, shared].copy())
     mover, stayer = (child, parent) if first == "child" else (parent, child)
     assert cache.num_pages_needed(mover, 1) == 1  # the copy
     cache.extend(mover, [42])
@@ -305,8 +318,8 @@ def test_fork_copies_a_shared_partial_page_on_first_extend(expected_kv, first):
     plan = cache.plan([mover])
     write_step(cache, plan, [mover], expected_kv)
     # The other side's page is untouched by the mover's write.
-    assert np.array_equal(cache.k_cache[:, shared], snapshot_shared[0])
-    assert np.array_equal(cache.v_cache[:, shared], snapshot_shared[1])
+    assert np.array_equal(host(cache.k_cache)[:, shared], snapshot_shared[0])
+    assert np.array_equal(host(cache.v_cache)[:, shared], snapshot_shared[1])
     cache.extend(stayer, [43, 44])   # no longer shared: no copy
     assert stayer.page_ids[1] == shared
     plan = cache.plan([mover, stayer])
@@ -315,8 +328,8 @@ def test_fork_copies_a_shared_partial_page_on_first_extend(expected_kv, first):
     cache.check_invariants()
 
 
-def test_fork_with_a_full_last_page_copies_nothing(expected_kv):
-    cache = make_cache(page_size=4)
+def test_fork_with_a_full_last_page_copies_nothing(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=4)
     parent, _ = run_prompt(cache, list(range(8)), expected_kv)
     child = cache.fork(parent)
     free = cache.num_free_pages
@@ -329,8 +342,8 @@ def test_fork_with_a_full_last_page_copies_nothing(expected_kv):
     assert_gathered(cache, plan, [parent, child], expected_kv)
 
 
-def test_fork_three_ways(expected_kv):
-    cache = make_cache(page_size=4)
+def test_fork_three_ways(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=4)
     parent, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     kids = [cache.fork(parent), cache.fork(parent)]
     assert cache.pool.ref_count(parent.page_ids[1]) == 3
@@ -343,8 +356,8 @@ def test_fork_three_ways(expected_kv):
     cache.check_invariants()
 
 
-def test_fork_needs_planned_tokens(state_of, same_state):
-    cache = make_cache()
+def test_fork_needs_planned_tokens(state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq = cache.add_sequence([1, 2, 3])
     cache.extend(seq, [1, 2, 3])
     before = state_of(cache)
@@ -354,11 +367,12 @@ def test_fork_needs_planned_tokens(state_of, same_state):
 
 
 @pytest.mark.parametrize("written", [0, 1])
-def test_fork_between_plan_and_write_is_refused(expected_kv, state_of, same_state, written):
+def test_fork_between_plan_and_write_is_refused(expected_kv, state_of, same_state, written,
+                                                cache_backend):
     """A copy of the shared last page taken before the parent's write lands
     would miss it; a fork with a plan still unwritten (in any layer) is
     refused, and allowed once the plan is written."""
-    cache = make_cache(page_size=4)
+    cache = make_cache(cache_backend, page_size=4)
     a = cache.add_sequence([1, 2, 3, 4, 5, 6])
     cache.extend(a, [1, 2, 3, 4, 5, 6])
     plan = cache.plan([a])
@@ -387,8 +401,8 @@ def test_fork_between_plan_and_write_is_refused(expected_kv, state_of, same_stat
     cache.check_invariants()
 
 
-def test_gather_buffers_too_large_to_allocate_are_refused(state_of, same_state):
-    cache = make_cache()
+def test_gather_buffers_too_large_to_allocate_are_refused(state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq, plan = cache.add_sequence([1, 2, 3]), None
     cache.extend(seq, [1, 2, 3])
     plan = cache.plan([seq])
@@ -399,12 +413,12 @@ def test_gather_buffers_too_large_to_allocate_are_refused(state_of, same_state):
         cache.gather(0, plan, num_positions=2**63)
     same_state(before, state_of(cache))
     with pytest.raises(AllocationError, match="num_pages"):
-        make_cache(num_layers=10**4, num_pages=10**6, num_kv_heads=8, head_dim=128)
+        make_cache(cache_backend, num_layers=10**4, num_pages=10**6, num_kv_heads=8, head_dim=128)
 
 
 def test_extend_of_a_forked_sequence_out_of_pages_changes_nothing(expected_kv, state_of,
-                                                                 same_state):
-    cache = make_cache(num_pages=2, page_size=4)
+                                                                 same_state, cache_backend):
+    cache = make_cache(cache_backend, num_pages=2, page_size=4)
     parent, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)  # both pages used
     child = cache.fork(parent)
     before = state_of(cache)
@@ -418,8 +432,9 @@ def test_extend_of_a_forked_sequence_out_of_pages_changes_nothing(expected_kv, s
     assert child.page_ids[1] == shared
 
 
-def test_extend_batch_equals_an_extend_per_sequence(expected_kv, state_of, same_state):
-    caches = [make_cache(num_pages=16, page_size=2) for _ in range(2)]
+def test_extend_batch_equals_an_extend_per_sequence(expected_kv, state_of, same_state,
+                                                    cache_backend):
+    caches = [make_cache(cache_backend, num_pages=16, page_size=2) for _ in range(2)]
     batches = []
     for cache in caches:
         a, _ = run_prompt(cache, [1, 2, 3], expected_kv)     # room left in its page
@@ -443,8 +458,8 @@ def test_extend_batch_equals_an_extend_per_sequence(expected_kv, state_of, same_
         cache.check_invariants()
 
 
-def test_extend_batch_of_forks_sharing_a_partial_page(expected_kv):
-    cache = make_cache(num_pages=4, page_size=4)
+def test_extend_batch_of_forks_sharing_a_partial_page(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, num_pages=4, page_size=4)
     parent, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)   # page 2 holds 1 token
     child = cache.fork(parent)
     # at most 2 pages for 2 copies; the second sequence then holds its page alone
@@ -457,8 +472,9 @@ def test_extend_batch_of_forks_sharing_a_partial_page(expected_kv):
     cache.check_invariants()
 
 
-def test_extend_batch_out_of_pages_changes_nothing(expected_kv, state_of, same_state):
-    cache = make_cache(num_pages=5, page_size=2)
+def test_extend_batch_out_of_pages_changes_nothing(expected_kv, state_of, same_state,
+                                                   cache_backend):
+    cache = make_cache(cache_backend, num_pages=5, page_size=2)
     seqs = [run_prompt(cache, [i, i + 1], expected_kv)[0] for i in (1, 5)]   # full pages
     third, _ = run_prompt(cache, [7], expected_kv)
     assert cache.num_free_pages == 2
@@ -480,11 +496,12 @@ def test_extend_batch_out_of_pages_changes_nothing(expected_kv, state_of, same_s
     (lambda c, s: c.extend_batch([s[0], s[0]], [1, 2]), SequenceError),    # listed twice
     (lambda c, s: c.extend_batch(s[0], [1]), DTypeError),                  # not a list
     (lambda c, s: c.extend_batch([s[0], "x"], [1, 2]), DTypeError),
-    (lambda c, s: c.extend_batch([s[0], make_cache().add_sequence([1])], [1, 2]),
+    (lambda c, s: c.extend_batch([s[0], make_cache(c.backend).add_sequence([1])], [1, 2]),
      SequenceError),                                                       # another cache's
 ])
-def test_bad_extend_batch_changes_nothing(expected_kv, state_of, same_state, call, err):
-    cache = make_cache()
+def test_bad_extend_batch_changes_nothing(expected_kv, state_of, same_state, call, err,
+                                          cache_backend):
+    cache = make_cache(cache_backend)
     seqs = [run_prompt(cache, p, expected_kv)[0] for p in ([1, 2, 3], [4, 5])]
     before = state_of(cache)
     with pytest.raises(err):
@@ -492,8 +509,8 @@ def test_bad_extend_batch_changes_nothing(expected_kv, state_of, same_state, cal
     same_state(before, state_of(cache))
 
 
-def test_extend_batch_of_nothing_is_a_no_op(expected_kv, state_of, same_state):
-    cache = make_cache()
+def test_extend_batch_of_nothing_is_a_no_op(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq, plan = run_prompt(cache, [1, 2, 3], expected_kv)
     before = state_of(cache)
     cache.extend_batch([], [])
@@ -503,8 +520,8 @@ def test_extend_batch_of_nothing_is_a_no_op(expected_kv, state_of, same_state):
 
 # ------------------------------------------------------------ release
 
-def test_released_sequence_cannot_be_used(expected_kv, state_of, same_state):
-    cache = make_cache()
+def test_released_sequence_cannot_be_used(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     cache.release(seq)
     assert seq.is_released and seq.page_ids == () and "released" in repr(seq)
@@ -517,8 +534,8 @@ def test_released_sequence_cannot_be_used(expected_kv, state_of, same_state):
     same_state(before, state_of(cache))
 
 
-def test_release_after_an_unwritten_plan_indexes_nothing_of_it(expected_kv):
-    cache = make_cache(page_size=2, partial_page_reuse=False)
+def test_release_after_an_unwritten_plan_indexes_nothing_of_it(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=2, partial_page_reuse=False)
     seq = cache.add_sequence([1, 2, 3, 4, 5, 6, 7])
     cache.extend(seq, [1, 2, 3])
     plan = cache.plan([seq])
@@ -532,8 +549,8 @@ def test_release_after_an_unwritten_plan_indexes_nothing_of_it(expected_kv):
     assert cache.add_sequence([1, 2, 3, 4, 5, 6, 7]).num_cached_tokens == 2
 
 
-def test_release_with_caching_indexes_full_planned_pages(expected_kv):
-    cache = make_cache(page_size=2, partial_page_reuse=False)
+def test_release_with_caching_indexes_full_planned_pages(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=2, partial_page_reuse=False)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7], expected_kv)
     cache.extend(seq, [8, 9])  # reserved, never planned: not indexed
     cache.release(seq)
@@ -541,8 +558,8 @@ def test_release_with_caching_indexes_full_planned_pages(expected_kv):
     assert cache.add_sequence([1, 2, 3, 4, 5, 6, 7, 8, 9]).num_cached_tokens == 6
 
 
-def test_disabled_prefix_caching_looks_up_and_indexes_nothing(expected_kv):
-    cache = make_cache(page_size=2, enable_prefix_caching=False)
+def test_disabled_prefix_caching_looks_up_and_indexes_nothing(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=2, enable_prefix_caching=False)
     seq, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     cache.release(seq)
     assert len(cache.index) == 0 and cache.num_free_pages == cache.num_pages
@@ -552,8 +569,8 @@ def test_disabled_prefix_caching_looks_up_and_indexes_nothing(expected_kv):
 
 # ------------------------------------------------------------ partial pages
 
-def test_a_shared_prefix_shorter_than_a_page_hits(expected_kv):
-    cache = make_cache(page_size=16)
+def test_a_shared_prefix_shorter_than_a_page_hits(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=16)
     first, _ = run_prompt(cache, [7, 8, 9, 1, 2], expected_kv)
     first_pages = first.page_ids
     cache.release(first)
@@ -568,8 +585,8 @@ def test_a_shared_prefix_shorter_than_a_page_hits(expected_kv):
     assert cache.stats.prefix_hit_tokens == 3
 
 
-def test_a_prompt_leaving_a_full_page_midway_reuses_its_head(expected_kv):
-    cache = make_cache(page_size=4)
+def test_a_prompt_leaving_a_full_page_midway_reuses_its_head(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=4)
     first, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6, 7, 8, 9], expected_kv)
     first_pages = first.page_ids
     cache.release(first)
@@ -586,8 +603,8 @@ def test_a_prompt_leaving_a_full_page_midway_reuses_its_head(expected_kv):
     assert_gathered(cache, plan, [again], expected_kv)   # the original page is unchanged
 
 
-def test_partial_reuse_respects_salts_and_the_last_token(expected_kv):
-    cache = make_cache(page_size=16)
+def test_partial_reuse_respects_salts_and_the_last_token(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=16)
     first, _ = run_prompt(cache, [5, 6, 7], expected_kv)
     cache.release(first)
     assert cache.add_sequence([5, 6, 7, 8], salt="other").num_cached_tokens == 0
@@ -595,8 +612,8 @@ def test_partial_reuse_respects_salts_and_the_last_token(expected_kv):
     assert cache.add_sequence([5]).num_cached_tokens == 0
 
 
-def test_partial_reuse_without_a_free_page_falls_back_to_whole_pages(expected_kv):
-    cache = make_cache(num_pages=2, page_size=4)
+def test_partial_reuse_without_a_free_page_falls_back_to_whole_pages(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, num_pages=2, page_size=4)
     first, _ = run_prompt(cache, [1, 2, 3, 4, 5, 6], expected_kv)
     cache.release(first)                            # page 0 indexed, page 1 partial
     holder = cache.add_sequence([9])
@@ -606,8 +623,8 @@ def test_partial_reuse_without_a_free_page_falls_back_to_whole_pages(expected_kv
     cache.check_invariants()
 
 
-def test_partial_reuse_can_be_turned_off(expected_kv):
-    cache = make_cache(page_size=16, partial_page_reuse=False)
+def test_partial_reuse_can_be_turned_off(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, page_size=16, partial_page_reuse=False)
     first, _ = run_prompt(cache, [7, 8, 9, 1, 2], expected_kv)
     cache.release(first)
     assert cache.num_evictable_pages == 0
@@ -617,8 +634,8 @@ def test_partial_reuse_can_be_turned_off(expected_kv):
 # ------------------------------------------------------------ plans
 
 @pytest.mark.parametrize("change", ["extend_same", "release_same"])
-def test_stale_plan_is_refused(expected_kv, state_of, same_state, change):
-    cache = make_cache()
+def test_stale_plan_is_refused(expected_kv, state_of, same_state, change, cache_backend):
+    cache = make_cache(cache_backend)
     a, _ = run_prompt(cache, [1, 2, 3], expected_kv)
     plan = cache.plan([a])
     if change == "extend_same":
@@ -635,9 +652,9 @@ def test_stale_plan_is_refused(expected_kv, state_of, same_state, change):
 
 
 @pytest.mark.parametrize("change", ["extend_other", "release_other", "add_other"])
-def test_plan_survives_changes_to_other_sequences(expected_kv, change):
+def test_plan_survives_changes_to_other_sequences(expected_kv, change, cache_backend):
     # Another thread's sequences may change between this plan and its writes.
-    cache = make_cache(page_size=2)
+    cache = make_cache(cache_backend, page_size=2)
     a = cache.add_sequence([1, 2, 3])
     cache.extend(a, [1, 2, 3])
     b, _ = run_prompt(cache, [4, 5, 6], expected_kv)
@@ -652,8 +669,8 @@ def test_plan_survives_changes_to_other_sequences(expected_kv, change):
     assert_gathered(cache, plan, [a], expected_kv)
 
 
-def test_plan_from_another_cache_is_refused(expected_kv):
-    one, two = make_cache(), make_cache()
+def test_plan_from_another_cache_is_refused(expected_kv, cache_backend):
+    one, two = make_cache(cache_backend), make_cache(cache_backend)
     seq, plan = run_prompt(one, [1, 2, 3], expected_kv)
     run_prompt(two, [1, 2, 3], expected_kv)
     k = np.zeros((3, 2, 3), np.float32)
@@ -663,8 +680,8 @@ def test_plan_from_another_cache_is_refused(expected_kv):
         two.gather(0, plan)
 
 
-def test_sequence_from_another_cache_is_refused(state_of, same_state):
-    one, two = make_cache(), make_cache()
+def test_sequence_from_another_cache_is_refused(state_of, same_state, cache_backend):
+    one, two = make_cache(cache_backend), make_cache(cache_backend)
     seq = one.add_sequence([1, 2, 3])
     two.add_sequence([1, 2, 3])
     before = state_of(two)
@@ -676,8 +693,8 @@ def test_sequence_from_another_cache_is_refused(state_of, same_state):
     assert not seq.is_released
 
 
-def test_plan_with_a_duplicated_sequence_is_refused(state_of, same_state):
-    cache = make_cache()
+def test_plan_with_a_duplicated_sequence_is_refused(state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend)
     a = cache.add_sequence([1, 2, 3])
     cache.extend(a, [1, 2, 3])
     b = cache.add_sequence([4])
@@ -688,15 +705,15 @@ def test_plan_with_a_duplicated_sequence_is_refused(state_of, same_state):
     assert a.num_computed_tokens == 0
 
 
-def test_a_new_plan_does_not_invalidate_the_previous_one(expected_kv):
-    cache = make_cache()
+def test_a_new_plan_does_not_invalidate_the_previous_one(expected_kv, cache_backend):
+    cache = make_cache(cache_backend)
     a, plan = run_prompt(cache, [1, 2, 3], expected_kv)
     cache.plan([a])
     assert_gathered(cache, plan, [a], expected_kv)
 
 
-def test_discard_takes_a_plan_back(expected_kv, state_of, same_state):
-    cache = make_cache(page_size=2)
+def test_discard_takes_a_plan_back(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend, page_size=2)
     seq = cache.add_sequence([1, 2, 3, 4, 5])
     cache.extend(seq, [1, 2, 3, 4, 5])
     after_extend = state_of(cache)
@@ -712,8 +729,8 @@ def test_discard_takes_a_plan_back(expected_kv, state_of, same_state):
     assert_gathered(cache, again, [seq], expected_kv)
 
 
-def test_discard_of_a_written_plan_is_refused(expected_kv, state_of, same_state):
-    cache = make_cache(page_size=2)
+def test_discard_of_a_written_plan_is_refused(expected_kv, state_of, same_state, cache_backend):
+    cache = make_cache(cache_backend, page_size=2)
     seq, plan = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)  # every layer written
     before = state_of(cache)
     with pytest.raises(StalePlanError, match="plan"):
@@ -722,8 +739,9 @@ def test_discard_of_a_written_plan_is_refused(expected_kv, state_of, same_state)
     assert seq.num_computed_tokens == 5
 
 
-def test_discard_of_a_stale_or_foreign_plan_is_refused(expected_kv, state_of, same_state):
-    cache = make_cache(page_size=2)
+def test_discard_of_a_stale_or_foreign_plan_is_refused(expected_kv, state_of, same_state,
+                                                       cache_backend):
+    cache = make_cache(cache_backend, page_size=2)
     a, plan = run_prompt(cache, [1, 2, 3], expected_kv)
     b = cache.add_sequence([4])
     cache.extend(b, [4])
@@ -731,15 +749,15 @@ def test_discard_of_a_stale_or_foreign_plan_is_refused(expected_kv, state_of, sa
     with pytest.raises(StalePlanError):
         cache.discard(plan)
     with pytest.raises(StalePlanError, match="another cache"):
-        cache.discard(make_cache().plan([]))
+        cache.discard(make_cache(cache_backend).plan([]))
     with pytest.raises(DTypeError, match="plan"):
         cache.discard("plan")
     same_state(before, state_of(cache))
 
 
 def test_discard_of_a_plan_without_new_tokens_changes_nothing(expected_kv, state_of,
-                                                             same_state):
-    cache = make_cache()
+                                                             same_state, cache_backend):
+    cache = make_cache(cache_backend)
     seq, _ = run_prompt(cache, [1, 2, 3], expected_kv)
     plan = cache.plan([seq])
     before = state_of(cache)
@@ -749,9 +767,9 @@ def test_discard_of_a_plan_without_new_tokens_changes_nothing(expected_kv, state
 
 # ------------------------------------------------------------ sizing / stats
 
-def test_memory_bytes_sizes_the_store():
+def test_memory_bytes_sizes_the_store(cache_backend):
     per_page = 2 * 3 * 8 * 2 * 4 * 2  # K+V, layers, page_size, heads, head_dim, bytes
-    cache = PagedKVCache(3, None, 8, 2, 4, dtype="float16", backend="numpy", layout="NHD",
+    cache = PagedKVCache(3, None, 8, 2, 4, dtype="float16", backend=cache_backend, layout="NHD",
                          memory_bytes=per_page * 20 + 5)
     assert cache.num_pages == 20
     assert cache.nbytes == per_page * 20 == cache.k_cache.nbytes + cache.v_cache.nbytes
@@ -759,7 +777,7 @@ def test_memory_bytes_sizes_the_store():
 
 
 def test_properties_and_repr():
-    cache = make_cache(num_layers=3, num_pages=7, page_size=5, num_kv_heads=2, head_dim=4,
+    cache = make_cache("numpy", num_layers=3, num_pages=7, page_size=5, num_kv_heads=2, head_dim=4,
                        dtype="bfloat16", layout="HND")
     assert (cache.num_layers, cache.num_pages, cache.page_size, cache.num_kv_heads,
             cache.head_dim) == (3, 7, 5, 2, 4)
@@ -768,8 +786,8 @@ def test_properties_and_repr():
     assert "layout=HND" in repr(cache) and "backend='numpy'" in repr(cache)
 
 
-def test_stats(expected_kv):
-    cache = make_cache(num_pages=10, page_size=2, partial_page_reuse=False)
+def test_stats(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, num_pages=10, page_size=2, partial_page_reuse=False)
     s = cache.stats
     assert (s.num_pages, s.pages_used, s.pages_free, s.pages_evictable, s.num_sequences,
             s.prefix_hit_tokens, s.prefix_query_tokens, s.prefix_hit_rate) == (
@@ -793,8 +811,8 @@ def test_stats(expected_kv):
         s.pages_used = 5
 
 
-def test_sequence_properties():
-    cache = make_cache()
+def test_sequence_properties(cache_backend):
+    cache = make_cache(cache_backend)
     seq = cache.add_sequence([5, 6, 7], salt="t")
     assert isinstance(seq, Sequence) and seq.salt == "t"
     cache.extend(seq, [5, 6, 7])
@@ -814,11 +832,11 @@ def seed_like_hash(secret, parent, tokens):
     return hashlib.blake2b(tokens, digest_size=16).digest()
 
 
-def test_weak_hash_never_serves_a_page_computed_after_another_prefix(expected_kv):
+def test_weak_hash_never_serves_a_page_computed_after_another_prefix(expected_kv, cache_backend):
     # Verification must make the cache exact whatever the hash does: page
     # contents are only ever served after exactly the prefix they were
     # computed after.
-    cache = make_cache(page_size=2, _hash_fn=seed_like_hash)
+    cache = make_cache(cache_backend, page_size=2, _hash_fn=seed_like_hash)
     A, B, D = [1, 1], [2, 2], [4, 4]
     s1, _ = run_prompt(cache, A + [9], expected_kv)
     cache.release(s1)
@@ -863,10 +881,10 @@ def test_bad_constructor_without_any_size():
 
 
 @pytest.fixture
-def busy_cache(expected_kv):
+def busy_cache(expected_kv, cache_backend):
     """A cache with a live sequence that reused a cached prefix, and its
     prefill plan (still current)."""
-    cache = make_cache(num_pages=8, page_size=2)
+    cache = make_cache(cache_backend, num_pages=8, page_size=2)
     old, _ = run_prompt(cache, [1, 2, 3, 4, 5], expected_kv)
     cache.release(old)
     seq, plan = run_prompt(cache, [1, 2, 3, 4, 6, 7], expected_kv)
@@ -874,12 +892,16 @@ def busy_cache(expected_kv):
     return cache, seq, plan
 
 
-def _out(t=6, dtype=np.float32):
-    return np.zeros((1, 2, t, 3), dtype)
+def _out(c, t=6, dtype=np.float32):
+    return c.backend.zeros((1, 2, t, 3), dtype)
 
 
-def _read_only():
-    x = _out()
+def _read_only(c):
+    """A read-only output buffer. A device array has no read-only flag: for a
+    device backend this is a read-only host array, which it refuses too."""
+    x = _out(c)
+    if not isinstance(x, np.ndarray):
+        x = np.zeros(x.shape, x.dtype)
     x.setflags(write=False)
     return x
 
@@ -924,16 +946,17 @@ BAD_CALLS = [
     ("gather plan", lambda c, s, p, kv: c.gather(0, "plan"), DTypeError, "plan"),
     ("gather layout", lambda c, s, p, kv: c.gather(0, p, layout="TBHD"), LayoutError,
      "layout"),
-    ("gather out pair", lambda c, s, p, kv: c.gather(0, p, out=_out()), DTypeError, "out"),
-    ("gather out short", lambda c, s, p, kv: c.gather(0, p, out=(_out(5), _out(5))),
+    ("gather out pair", lambda c, s, p, kv: c.gather(0, p, out=_out(c)), DTypeError, "out"),
+    ("gather out short", lambda c, s, p, kv: c.gather(0, p, out=(_out(c, 5), _out(c, 5))),
      ShapeError, "out"),
     ("gather out dtype", lambda c, s, p, kv: c.gather(
-        0, p, out=(_out(dtype=np.float64), _out(dtype=np.float64))), DTypeError, "out"),
+        0, p, out=(_out(c, dtype=np.float64), _out(c, dtype=np.float64))), DTypeError, "out"),
     ("gather out strided", lambda c, s, p, kv: c.gather(
-        0, p, out=(np.zeros((1, 2, 6, 6), np.float32)[..., ::2], _out())), ShapeError, "out"),
-    ("gather out read-only", lambda c, s, p, kv: c.gather(0, p, out=(_read_only(), _out())),
+        0, p, out=(c.backend.zeros((1, 2, 6, 6), np.float32)[..., ::2], _out(c))), ShapeError,
+     "out"),
+    ("gather out read-only", lambda c, s, p, kv: c.gather(0, p, out=(_read_only(c), _out(c))),
      ShapeError, "out"),
-    ("gather out shared", lambda c, s, p, kv: c.gather(0, p, out=(_out(),) * 2), ShapeError,
+    ("gather out shared", lambda c, s, p, kv: c.gather(0, p, out=(_out(c),) * 2), ShapeError,
      "out"),
     ("gather num_positions", lambda c, s, p, kv: c.gather(0, p, num_positions=5), ShapeError,
      "num_positions"),
@@ -948,6 +971,8 @@ def test_bad_input_names_the_argument_and_changes_nothing(busy_cache, state_of, 
                                                          what, call, error, word):
     cache, seq, plan = busy_cache
     kv = np.zeros((plan.num_new_tokens, 2, 3), np.float32)
+    if what == "gather out read-only" and not isinstance(cache.k_cache, np.ndarray):
+        error = DTypeError   # a device backend refuses a host buffer before its flags
     before = state_of(cache)
     with pytest.raises(error) as info:
         call(cache, seq, plan, kv)
@@ -958,12 +983,12 @@ def test_bad_input_names_the_argument_and_changes_nothing(busy_cache, state_of, 
 
 # ------------------------------------------------------------ threads
 
-def test_threads_share_one_cache(expected_kv):
+def test_threads_share_one_cache(expected_kv, cache_backend):
     """Smoke test: several threads add, extend, plan, write, gather and
     release on one cache. A plan goes stale whenever another thread reserves
     or releases pages (documented), so StalePlanError is tolerated here; the
     structures must stay consistent whatever the interleaving."""
-    cache = make_cache(num_layers=1, num_pages=48, page_size=2)
+    cache = make_cache(cache_backend, num_layers=1, num_pages=48, page_size=2)
     system = [7, 7, 8, 8, 9, 9]
     errors, stale = [], [0]
     barrier = threading.Barrier(4)
@@ -1008,11 +1033,12 @@ def test_threads_share_one_cache(expected_kv):
     assert s.pages_free + s.pages_evictable == cache.num_pages
 
 
-def test_pages_planned_in_one_thread_are_not_served_before_they_are_written(expected_kv):
+def test_pages_planned_in_one_thread_are_not_served_before_they_are_written(expected_kv,
+                                                                            cache_backend):
     """The cache may be shared by threads, so another thread's call can come
     between a plan and its writes. Pages of that plan must not be handed to
     another sequence as a cached prefix before their K/V is written."""
-    cache = make_cache(num_layers=1, page_size=2)
+    cache = make_cache(cache_backend, num_layers=1, page_size=2)
     prompt = [1, 2, 3, 4, 5]
     planned, go_on = threading.Event(), threading.Event()
     result = {}
@@ -1041,7 +1067,7 @@ def test_pages_planned_in_one_thread_are_not_served_before_they_are_written(expe
         t.join(20)
     n = result["cached"]
     ek, _ = expected_kv(prompt, None, 0, 2, 3, "float32")
-    assert np.array_equal(result["k"][0, :n], ek[:n]), (
+    assert np.array_equal(cache.backend.to_numpy(result["k"])[0, :n], ek[:n]), (
         f"{n} cached token(s) served before their K/V was written")
 
 
@@ -1050,9 +1076,9 @@ def test_pages_planned_in_one_thread_are_not_served_before_they_are_written(expe
 @pytest.mark.parametrize("gather_layout, store_layout", [
     ("BHTD", StoreLayout.HND), ("BTHD", StoreLayout.NHD)])
 def test_default_store_layout_matches_the_gather_layout(gather_layout, store_layout,
-                                                        expected_kv):
+                                                        expected_kv, cache_backend):
     kw = {} if gather_layout == "BHTD" else {"gather_layout": gather_layout}
-    cache = make_cache(**kw)          # the default gather is BHTD
+    cache = make_cache(cache_backend, **kw)          # the default gather is BHTD
     assert cache.layout is store_layout
     assert cache.gather_layout is OutputLayout(gather_layout)
     seq = cache.add_sequence([3, 1, 4, 1, 5])
@@ -1060,6 +1086,7 @@ def test_default_store_layout_matches_the_gather_layout(gather_layout, store_lay
     plan = cache.plan([seq])
     write_step(cache, plan, [seq], expected_kv)
     k, v = cache.gather(1, plan)      # in the cache's gather layout
+    k, v = cache.backend.to_numpy(k), cache.backend.to_numpy(v)
     ek, ev = expected_kv(seq.tokens, None, 1, 2, 3, np.float32)   # [T, H, D]
     if gather_layout == "BHTD":
         ek, ev = ek.transpose(1, 0, 2), ev.transpose(1, 0, 2)
@@ -1069,8 +1096,8 @@ def test_default_store_layout_matches_the_gather_layout(gather_layout, store_lay
     assert k2.shape == (k.shape[0], k.shape[2], k.shape[1], k.shape[3])
 
 
-def test_an_explicit_store_layout_keeps_the_bhtd_gather_default():
-    cache = make_cache(layout="NHD")
+def test_an_explicit_store_layout_keeps_the_bhtd_gather_default(cache_backend):
+    cache = make_cache(cache_backend, layout="NHD")
     assert cache.layout is StoreLayout.NHD and cache.gather_layout is OutputLayout.BHTD
     seq = cache.add_sequence([1, 2, 3])
     cache.extend(seq, [1, 2, 3])
@@ -1078,6 +1105,6 @@ def test_an_explicit_store_layout_keeps_the_bhtd_gather_default():
     assert k.shape == (1, 2, 3, 3)    # [B, H, T, D]
 
 
-def test_a_bad_gather_layout_is_refused():
+def test_a_bad_gather_layout_is_refused(cache_backend):
     with pytest.raises(LayoutError, match="gather_layout"):
-        make_cache(gather_layout="TBHD")
+        make_cache(cache_backend, gather_layout="TBHD")
