@@ -107,8 +107,8 @@ def test_every_way_of_building_gives_the_same_plan(monkeypatch, loop_max, list_m
     assert want.slot_mapping.tolist() == expected
 
 
-def test_cache_plan_splits_context_and_new_tokens():
-    cache = PagedKVCache(1, 16, 4, 1, 2, backend="numpy")
+def test_cache_plan_splits_context_and_new_tokens(cache_backend):
+    cache = PagedKVCache(1, 16, 4, 1, 2, backend=cache_backend)
     a = cache.add_sequence([1] * 6)
     cache.extend(a, [1] * 6)
     b = cache.add_sequence([2] * 8)   # ends exactly on a page boundary
@@ -131,8 +131,8 @@ def test_cache_plan_splits_context_and_new_tokens():
     assert again.num_new_tokens == 0 and again.seq_lens.tolist() == [7, 8]
 
 
-def test_cache_plan_of_an_empty_batch():
-    cache = PagedKVCache(1, 4, 4, 1, 2, backend="numpy")
+def test_cache_plan_of_an_empty_batch(cache_backend):
+    cache = PagedKVCache(1, 4, 4, 1, 2, backend=cache_backend)
     plan = cache.plan([])
     assert plan.num_seqs == 0
     cache.write(0, plan, np.zeros((0, 1, 2), np.float32), np.zeros((0, 1, 2), np.float32))
@@ -140,8 +140,8 @@ def test_cache_plan_of_an_empty_batch():
     assert k.shape == v.shape == (0, 1, 0, 2)
 
 
-def test_cache_keeps_each_plans_state_without_holding_the_plan():
-    cache = PagedKVCache(2, 8, 4, 1, 2, backend="numpy")
+def test_cache_keeps_each_plans_state_without_holding_the_plan(cache_backend):
+    cache = PagedKVCache(2, 8, 4, 1, 2, backend=cache_backend)
     seq = cache.add_sequence([1, 2, 3])
     cache.extend(seq, [1, 2, 3])
     plan = cache.plan([seq])
@@ -151,7 +151,7 @@ def test_cache_keeps_each_plans_state_without_holding_the_plan():
     assert not cache.is_written(plan)
     cache.write(1, plan, k, k)
     assert cache.is_written(plan)
-    other = PagedKVCache(2, 8, 4, 1, 2, backend="numpy")
+    other = PagedKVCache(2, 8, 4, 1, 2, backend=cache_backend)
     with pytest.raises(StalePlanError, match="another cache"):
         other.is_written(plan)
     ref = weakref.ref(plan)

@@ -100,8 +100,8 @@ def test_unplan_and_the_written_run():
     assert seq.token_bytes(1, 3) == raw(1, 2)
 
 
-def test_cache_answers_whether_a_batch_can_grow():
-    cache = PagedKVCache(1, 3, 4, 1, 2, backend="numpy")
+def test_cache_answers_whether_a_batch_can_grow(cache_backend):
+    cache = PagedKVCache(1, 3, 4, 1, 2, backend=cache_backend)
     a, b = cache.add_sequence([1] * 4), cache.add_sequence([2] * 3)
     cache.extend(a, [1] * 4)        # a full page: its next token needs a new one
     cache.extend(b, [2] * 3)        # room left in its page
