@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pagedkv_np import PagedCache, PagedKVCache
+from pagedkv_np.backends import get_backend
 from pagedkv_np.errors import OutOfPages, PageIdError, PageStateError
 from pagedkv_np.pool import EVICTABLE, PagePool
 
@@ -24,9 +25,9 @@ def seed_page_hash(secret, parent, tokens):
     return h.to_bytes(8, "little")
 
 
-def make_cache(**kw):
+def make_cache(backend, **kw):
     return PagedKVCache(2, kw.pop("num_pages", 32), kw.pop("page_size", 2), 1, 2,
-                        dtype="float32", backend="numpy", **kw)
+                        dtype="float32", backend=backend, **kw)
 
 
 def prefill(cache, prompt, expected_kv, salt=None):
@@ -44,15 +45,15 @@ def gathered_is_exact(cache, seq, expected_kv):
     """Every position of ``seq`` holds the K/V computed under its own prefix."""
     plan = cache.plan([seq])
     for layer in range(cache.num_layers):
-        k, v = cache.gather(layer, plan, layout="BTHD")
+        k, v = map(cache.backend.to_numpy, cache.gather(layer, plan, layout="BTHD"))
         ek, ev = expected_kv(seq.tokens, seq.salt, layer, 1, 2, "float32")
         if not (np.array_equal(bits(k[0]), bits(ek)) and np.array_equal(bits(v[0]), bits(ev))):
             return False
     return True
 
 
-def test_flaw1_page_hash_is_chained_over_the_whole_prefix(expected_kv):
-    cache = make_cache()
+def test_flaw1_page_hash_is_chained_over_the_whole_prefix(expected_kv, cache_backend):
+    cache = make_cache(cache_backend)
     shared_page = [5, 5]
     x = prefill(cache, [1, 1] + shared_page + [0], expected_kv)
     cache.release(x)
@@ -78,8 +79,8 @@ def test_flaw1_page_hash_is_chained_over_the_whole_prefix(expected_kv):
         y._digests + x._digests + z._digests)
 
 
-def test_flaw2_colliding_hashes_never_return_wrong_kv(expected_kv):
-    cache = make_cache(_hash_fn=seed_page_hash)
+def test_flaw2_colliding_hashes_never_return_wrong_kv(expected_kv, cache_backend):
+    cache = make_cache(cache_backend, _hash_fn=seed_page_hash)
     assert seed_page_hash(b"", b"", np.array([1, 0], "<i8").tobytes()) == \
         seed_page_hash(b"", b"", np.array([0, 31], "<i8").tobytes())
     first = prefill(cache, [1, 0, 5], expected_kv)
@@ -96,18 +97,20 @@ def test_flaw2_colliding_hashes_never_return_wrong_kv(expected_kv):
     assert gathered_is_exact(cache, probe, expected_kv)
 
 
-def test_flaw3_padding_page_id_never_reaches_the_store():
-    cache = PagedCache(1, 4, 2, 1, 2, backend="numpy")
-    k = np.ones((2, 3, 1, 2), np.float32)
+def test_flaw3_padding_page_id_never_reaches_the_store(cache_backend):
+    cache = PagedCache(1, 4, 2, 1, 2, backend=cache_backend)
+    backend = get_backend(cache_backend)
+    host = backend.to_numpy
+    k = backend.asarray(np.ones((2, 3, 1, 2), np.float32))
     with pytest.raises(PageIdError):
         cache.write(0, np.array([[0, 1], [2, -1]]), 0, k, k)  # row 1's 3rd token -> page -1
-    assert not cache.k_cache.any() and not cache.v_cache.any()
+    assert not host(cache.k_cache).any() and not host(cache.v_cache).any()
     # gather of a row whose table is shorter reads zeros, not page -1 (the last page)
     cache.k_cache[0, 3] = 9.0
     gk, _ = cache.gather(0, np.array([[3, 2], [0, -1]]))
-    assert not gk[1, 2:].any()
+    assert not host(gk)[1, 2:].any()
     # The cache's own plans pad page tables with -1 but never write through them.
-    kv_cache = make_cache(num_pages=4)
+    kv_cache = make_cache(cache_backend, num_pages=4)
     a = kv_cache.add_sequence([1, 2, 3, 4, 5])
     kv_cache.extend(a, [1, 2, 3, 4, 5])
     b = kv_cache.add_sequence([6])
@@ -116,13 +119,13 @@ def test_flaw3_padding_page_id_never_reaches_the_store():
     assert plan.page_table[1].tolist() == [b.page_ids[0], -1, -1]
     assert (plan.slot_mapping >= 0).all()
     kv_cache.write(0, plan, np.ones((6, 1, 2), np.float32), np.ones((6, 1, 2), np.float32))
-    assert kv_cache.k_cache[0].sum() == 12  # 6 tokens x 2, nothing else touched
+    assert host(kv_cache.k_cache)[0].sum() == 12  # 6 tokens x 2, nothing else touched
     gk, _ = kv_cache.gather(0, plan, layout="BTHD")
-    assert not gk[1, 1:].any()
+    assert not host(gk)[1, 1:].any()
 
 
-def test_flaw4_double_free_and_recording_a_free_page_raise():
-    cache = PagedCache(1, 4, 2, 1, 2, backend="numpy")
+def test_flaw4_double_free_and_recording_a_free_page_raise(cache_backend):
+    cache = PagedCache(1, 4, 2, 1, 2, backend=cache_backend)
     p = cache.alloc()
     cache.free(p)
     with pytest.raises(PageStateError):
@@ -142,8 +145,8 @@ def test_flaw4_double_free_and_recording_a_free_page_raise():
     cache.pool.check_invariants()
 
 
-def test_flaw5_alloc_n_evicts_nothing_when_it_fails(expected_kv):
-    cache = PagedCache(1, 4, 2, 1, 2, backend="numpy")
+def test_flaw5_alloc_n_evicts_nothing_when_it_fails(expected_kv, cache_backend):
+    cache = PagedCache(1, 4, 2, 1, 2, backend=cache_backend)
     pages = cache.alloc_n(2)
     cache.record_page(pages[0], [1, 2, 3, 4], 0)
     cache.record_page(pages[1], [1, 2, 3, 4], 1)
@@ -154,7 +157,7 @@ def test_flaw5_alloc_n_evicts_nothing_when_it_fails(expected_kv):
     assert cache.lookup_prefix([1, 2, 3, 4, 5]) == pages  # prefix entries intact
     assert cache.pool.num_evictable == 2
     # Same for the sequence API.
-    kv = make_cache(num_pages=4, partial_page_reuse=False)
+    kv = make_cache(cache_backend, num_pages=4, partial_page_reuse=False)
     old = prefill(kv, [1, 2, 3, 4, 5], expected_kv)
     kv.release(old)
     seq = kv.add_sequence([9])
@@ -164,16 +167,17 @@ def test_flaw5_alloc_n_evicts_nothing_when_it_fails(expected_kv):
     assert kv.add_sequence([1, 2, 3, 4, 5]).num_cached_tokens == 4
 
 
-def test_flaw6_ragged_batch_is_written_in_one_call(expected_kv):
+def test_flaw6_ragged_batch_is_written_in_one_call(expected_kv, cache_backend):
     # Seed API: one start position per row.
-    cache = PagedCache(1, 8, 2, 1, 2, backend="numpy")
+    cache = PagedCache(1, 8, 2, 1, 2, backend=cache_backend)
+    backend = get_backend(cache_backend)
     table = np.array([[0, 1, 2], [3, 4, 5]])
     k = np.arange(2 * 2 * 2, dtype=np.float32).reshape(2, 2, 1, 2) + 1
-    cache.write(0, table, np.array([1, 4]), k, k)
-    gk, _ = cache.gather(0, table, seq_lens=[3, 6])
+    cache.write(0, table, np.array([1, 4]), backend.asarray(k), backend.asarray(k))
+    gk = backend.to_numpy(cache.gather(0, table, seq_lens=[3, 6])[0])
     assert np.array_equal(gk[0, 1:3], k[0]) and np.array_equal(gk[1, 4:6], k[1])
     # Sequence API: a plan over sequences of different lengths, one write per layer.
-    kv = make_cache()
+    kv = make_cache(cache_backend)
     seqs = []
     for prompt in ([1, 2, 3, 4, 5], [6], [7, 8, 9]):
         s = kv.add_sequence(prompt)
@@ -187,8 +191,8 @@ def test_flaw6_ragged_batch_is_written_in_one_call(expected_kv):
     assert all(gathered_is_exact(kv, s, expected_kv) for s in seqs)
 
 
-def test_flaw7_gather_never_returns_uninitialised_memory():
-    cache = make_cache(num_pages=4)
+def test_flaw7_gather_never_returns_uninitialised_memory(cache_backend):
+    cache = make_cache(cache_backend, num_pages=4)
     cache.k_cache[...] = np.nan  # stale data everywhere
     cache.v_cache[...] = np.nan
     a = cache.add_sequence([1, 2, 3])
@@ -198,13 +202,16 @@ def test_flaw7_gather_never_returns_uninitialised_memory():
     plan = cache.plan([a, b])
     kv = np.ones((4, 1, 2), np.float32)
     cache.write(0, plan, kv, kv)
-    out = (np.full((2, 6, 1, 2), np.nan, np.float32), np.full((2, 6, 1, 2), np.nan, np.float32))
-    k, v = cache.gather(0, plan, layout="BTHD", out=out)
+    out = (cache.backend.empty((2, 6, 1, 2), np.float32),
+           cache.backend.empty((2, 6, 1, 2), np.float32))
+    for x in out:
+        x[...] = np.nan
+    k, v = map(cache.backend.to_numpy, cache.gather(0, plan, layout="BTHD", out=out))
     assert (k[0, :3] == 1).all() and (k[1, :1] == 1).all()
     assert (bits(k[0, 3:]) == 0).all() and (bits(k[1, 1:]) == 0).all()
     assert (bits(v[0, 3:]) == 0).all() and (bits(v[1, 1:]) == 0).all()
     # CacheView trims with total_len=0 too (the seed ignored 0); None means no trim.
-    seed_api = PagedCache(1, 4, 2, 1, 2, backend="numpy")
+    seed_api = PagedCache(1, 4, 2, 1, 2, backend=cache_backend)
     assert seed_api.bind([[0, 1]], total_len=0).gather(0)[0].shape[1] == 0
     assert seed_api.bind([[0, 1]], total_len=None).gather(0)[0].shape[1] == 4
 
