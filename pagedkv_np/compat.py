@@ -10,7 +10,6 @@ their public methods.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,7 @@ from .cache import PagedKVCache
 from .chains import ChainEnds
 from .errors import (DTypeError, OutOfPages, PagedKVError, PageIdError, PageStateError,
                      ShapeError)
-from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int
+from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int, is_int, shown
 from .quant import resolve_quant
 from .tokens import as_tokens
 
@@ -43,12 +42,13 @@ def _as_page_table(page_table: Any, num_pages: int) -> np.ndarray:
 
 
 def _page_id(value: Any, name: str, num_pages: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise DTypeError(f"Invalid {name}: expected an integer page id, "
                          f"got {type(value).__name__}")
     page_id = int(value)
     if not 0 <= page_id < num_pages:
-        raise PageIdError(f"Invalid {name}: expected 0 <= page id < {num_pages}, got {value}")
+        raise PageIdError(
+            f"Invalid {name}: expected 0 <= page id < {num_pages}, got {shown(page_id)}")
     return page_id
 
 
@@ -198,14 +198,14 @@ class PagedCache:
         """The page id, the logical page index and that page's int64 token
         bytes of a valid :meth:`record_page` call."""
         page_id = _page_id(page_idx, "page_idx", self._pool.num_pages)
-        if isinstance(logical_page_idx, bool) or not isinstance(logical_page_idx, numbers.Integral):
+        if not is_int(logical_page_idx):
             raise DTypeError("Invalid logical_page_idx: expected an integer")
         logical = int(logical_page_idx)
         num_full = len(tokens) // self.page_size
         if not 0 <= logical < num_full:
             raise PageIdError(
                 f"Invalid logical_page_idx: expected 0 <= idx < {num_full} (full pages of "
-                f"token_ids), got {logical_page_idx}")
+                f"token_ids), got {shown(logical)}")
         start = logical * self.page_size
         page = as_tokens(tokens[start:start + self.page_size], "token_ids").tobytes()
         if self._pool.ref_count(page_id) == 0:
@@ -349,11 +349,9 @@ class CacheView:
                  seq_lens: Any = None) -> None:
         if not isinstance(cache, PagedCache):
             raise DTypeError(f"Invalid cache: expected a PagedCache, got {type(cache).__name__}")
-        if total_len is not None and (isinstance(total_len, bool)
-                                      or not isinstance(total_len, numbers.Integral)
-                                      or total_len < 0):
+        if total_len is not None and (not is_int(total_len) or total_len < 0):
             raise DTypeError(f"Invalid total_len: expected an integer >= 0 or None, "
-                             f"got {total_len!r}")
+                             f"got {shown(total_len)}")
         self._cache = cache
         self._page_table = _as_page_table(page_table, cache._store.num_pages)
         self._total_len = total_len

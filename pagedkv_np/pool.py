@@ -19,12 +19,11 @@ evictions through :attr:`PagePool.on_evict`.
 
 from __future__ import annotations
 
-import numbers
 from collections import Counter
 from collections.abc import Callable, Iterable
 
 from .errors import DTypeError, OutOfPages, PageIdError, PageStateError
-from .layout import check_nonneg_int, check_positive_int
+from .layout import check_nonneg_int, check_positive_int, is_int, shown
 
 __all__ = ["PagePool", "FREE", "USED", "EVICTABLE"]
 
@@ -231,14 +230,14 @@ class PagePool:
     def _check_id(self, page_id, name: str) -> int:
         if type(page_id) is int and 0 <= page_id < self.num_pages:  # the common case, fast
             return page_id
-        if isinstance(page_id, bool) or not isinstance(page_id, numbers.Integral):
+        if not is_int(page_id):
             raise DTypeError(f"Invalid {name}: expected an integer page id, "
                              f"got {type(page_id).__name__}")
         # compared as an int: the numbers.Integral ABC declares no ordering against int
         value = int(page_id)
         if not 0 <= value < self.num_pages:
             raise PageIdError(
-                f"Invalid {name}: expected 0 <= page id < {self.num_pages}, got {page_id}")
+                f"Invalid {name}: expected 0 <= page id < {self.num_pages}, got {shown(value)}")
         return value
 
     def _check_ids(self, page_ids, name: str) -> list[int]:

@@ -33,7 +33,6 @@ less.
 from __future__ import annotations
 
 import hashlib
-import numbers
 import os
 from dataclasses import dataclass
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ConfigError, DTypeError
-from .layout import check_nonneg_int, check_positive_int
+from .layout import check_int, check_nonneg_int, check_positive_int
 
 __all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
 
@@ -204,8 +203,7 @@ class PrefixIndex:
         Nothing changes (and False is returned) when another page already
         holds this hash: the first copy of a prefix stays canonical.
         """
-        if isinstance(page_id, bool) or not isinstance(page_id, numbers.Integral):
-            raise DTypeError(f"Invalid page_id: expected an integer, got {type(page_id).__name__}")
+        page_id = check_int(page_id, "page_id")
         if len(tokens) != 8 * self.page_size:
             raise ConfigError("Invalid tokens: only full pages can be indexed")
         current = self._by_hash.get(digest)

@@ -17,7 +17,7 @@ import numpy as np
 
 from .backends.base import Backend
 from .errors import AllocationError, ConfigError, DTypeError
-from .layout import StoreLayout, check_positive_int, resolve_dtype, shown, store_shape
+from .layout import StoreLayout, check_positive_int, resolve_dtype, shown
 from .quant import resolve_quant
 
 __all__ = ["KVStore"]
@@ -84,8 +84,8 @@ class KVStore:
         if not isinstance(backend, Backend):
             raise DTypeError(f"Invalid backend: expected a Backend (see get_backend), "
                              f"got {type(backend).__name__}")
-        self.shape = store_shape(self.layout, self.num_layers, self.num_pages,
-                                 self.page_size, self.num_kv_heads, self.head_dim)
+        self.shape = self.layout.shape(self.num_layers, self.num_pages, self.page_size,
+                                       self.num_kv_heads, self.head_dim)
         nbytes = 2 * self.dtype.itemsize * int(np.prod(self.shape, dtype=object))
         if nbytes > sys.maxsize:
             raise ConfigError(f"Invalid num_pages: a store of shape {_dims(self.shape)} needs "
@@ -101,7 +101,9 @@ class KVStore:
         self.k_scale: Any = None
         self.v_scale: Any = None
         if self.quant is not None:  # the page geometry of k and v, a scale per group
-            scale_shape = (*self.shape[:4], self.quant.num_groups(self.head_dim))
+            scale_shape = self.layout.shape(self.num_layers, self.num_pages, self.page_size,
+                                            self.num_kv_heads,
+                                            self.quant.num_groups(self.head_dim))
             self.k_scale = backend.zeros(scale_shape, self.quant.scale_dtype)
             self.v_scale = backend.zeros(scale_shape, self.quant.scale_dtype)
         self.backend = backend
@@ -110,11 +112,12 @@ class KVStore:
         """Copy whole pages, every layer, K and V (and their scales), through
         the backend; ``src_pages``/``dst_pages`` are int32 [n], checked by
         the caller."""
+        # the arrays were checked when they were made, the pages by the caller
         self.backend.copy_pages(self.k, self.v, src_pages, dst_pages, layout=self.layout,
-                                check_indices=False)
+                                check_indices=False, check_store=False)
         if self.quant is not None:
             self.backend.copy_pages(self.k_scale, self.v_scale, src_pages, dst_pages,
-                                    layout=self.layout, check_indices=False)
+                                    layout=self.layout, check_indices=False, check_store=False)
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int,

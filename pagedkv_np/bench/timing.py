@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from ..layout import is_int
 
 __all__ = ["round_times", "best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth"]
 
@@ -104,9 +105,9 @@ class CopyBaseline:
     """
 
     def __init__(self, num_threads: int = 2) -> None:
-        if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 2:
+        if not is_int(num_threads) or num_threads < 2:
             raise ConfigError(f"Invalid num_threads: expected an int >= 2, got {num_threads!r}")
-        self.num_threads = num_threads
+        self.num_threads = num_threads = int(num_threads)
         self._host_src = self._host_dst = np.empty(0, dtype=np.uint8)
         self._fresh_src = self._fresh_dst = self._host_src
         self._device_key: tuple | None = None

@@ -60,7 +60,7 @@ class DiskTier(Tier):
     def __init__(self, directory: str | os.PathLike, max_bytes: int = DEFAULT_DISK_BYTES
                  ) -> None:
         super().__init__()
-        if isinstance(directory, bool) or not isinstance(directory, (str, os.PathLike)):
+        if not isinstance(directory, (str, os.PathLike)):
             raise DTypeError(f"Invalid disk_cache: expected a directory path, got "
                              f"{type(directory).__name__}")
         self.max_bytes = check_positive_int(max_bytes, "disk_cache_bytes")

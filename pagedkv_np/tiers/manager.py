@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError
+from ..layout import is_int
 from ..prefix import encode_salt
 from .base import (CorruptPage, PageFormat, Tier, TierUnavailable, decode_page, encode_page,
                    page_key, tier_scope)
@@ -80,8 +81,9 @@ class TierManager:
     def __init__(self, tiers: Sequence[Tier], store: Any, index: Any, lock: Any, model_id: str,
                  queue_size: int = 256, read_timeout: float = 1.0) -> None:
         from .worker import WriteQueue
-        if isinstance(queue_size, bool) or not isinstance(queue_size, int) or queue_size < 1:
+        if not is_int(queue_size) or queue_size < 1:
             raise ConfigError(f"Invalid queue_size: expected an integer >= 1, got {queue_size!r}")
+        queue_size = int(queue_size)
         if (isinstance(read_timeout, bool) or not isinstance(read_timeout, (int, float))
                 or not read_timeout > 0):
             raise ConfigError(f"Invalid read_timeout: expected seconds > 0, got {read_timeout!r}")

@@ -23,6 +23,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from ..errors import ConfigError, DTypeError
+from ..layout import is_int
 from .base import Tier, TierUnavailable
 
 _redis_lib: Any
@@ -108,8 +109,9 @@ class RedisTier(Tier):
         for name, value in (("timeout", timeout), ("retry_interval", retry_interval)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ConfigError(f"Invalid {name}: expected seconds > 0, got {value!r}")
-        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 1):
+        if ttl is not None and (not is_int(ttl) or ttl < 1):
             raise ConfigError(f"Invalid ttl: expected an integer >= 1, got {ttl!r}")
+        ttl = None if ttl is None else int(ttl)
         if client_options is not None and not isinstance(client_options, dict):
             raise DTypeError("Invalid client_options: expected a dict")
         lib = _require_redis()
