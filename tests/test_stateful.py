@@ -48,13 +48,14 @@ def bits(x):
     return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
 
 
-def make_machine(expected_kv, state_of, same_state, store_dtype="float32", **cache_kwargs):
+def make_machine(expected_kv, state_of, same_state, backend, store_dtype="float32",
+                 **cache_kwargs):
 
     class CacheMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
             self.cache = PagedKVCache(NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM,
-                                      dtype=store_dtype, backend="numpy", **cache_kwargs)
+                                      dtype=store_dtype, backend=backend, **cache_kwargs)
             self.live = {}  # seq_id -> Sequence
             self.model = {}  # seq_id -> (salt, list of token ids)
             self.released = []
@@ -75,7 +76,8 @@ def make_machine(expected_kv, state_of, same_state, store_dtype="float32", **cac
 
         def check_gathered(self, seqs, plan, layout):
             for layer in range(NUM_LAYERS):
-                k, v = self.cache.gather(layer, plan, layout=layout)
+                k, v = map(self.cache.backend.to_numpy,
+                           self.cache.gather(layer, plan, layout=layout))
                 if layout == "BHTD":
                     k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
                 for b, seq in enumerate(seqs):
@@ -247,10 +249,13 @@ def make_machine(expected_kv, state_of, same_state, store_dtype="float32", **cac
 @pytest.mark.parametrize("store_dtype", ["float32", "int8"])
 @pytest.mark.parametrize("partial_page_reuse", [True, False], ids=["partial", "whole-pages"])
 def test_random_operations_keep_the_cache_exact(expected_kv, state_of, same_state,
-                                                partial_page_reuse, store_dtype):
-    machine = make_machine(expected_kv, state_of, same_state, store_dtype,
+                                                partial_page_reuse, store_dtype, cache_backend,
+                                                examples_per_backend):
+    machine = make_machine(expected_kv, state_of, same_state, cache_backend, store_dtype,
                            hash_secret=b"stateful", partial_page_reuse=partial_page_reuse)
-    run_state_machine_as_test(machine, settings=SETTINGS)
+    # the example budget is shared by the backends, not run whole on each
+    run_state_machine_as_test(machine, settings=settings(
+        SETTINGS, max_examples=examples_per_backend(SETTINGS.max_examples)))
 
 
 def _parentless_hash(secret, parent, tokens):
@@ -265,11 +270,12 @@ def _constant_hash(secret, parent, tokens):
 @pytest.mark.parametrize("hash_fn", [_parentless_hash, _constant_hash],
                          ids=["parentless", "constant"])
 def test_random_operations_stay_exact_with_a_weak_hash(expected_kv, state_of, same_state,
-                                                       hash_fn):
-    machine = make_machine(expected_kv, state_of, same_state, _hash_fn=hash_fn)
+                                                       hash_fn, cache_backend,
+                                                       examples_per_backend):
+    machine = make_machine(expected_kv, state_of, same_state, cache_backend, _hash_fn=hash_fn)
     # Derandomized: the same examples every run, so the outcome is repeatable.
     # Not shrunk: a failure here has minimal repros in test_cache/test_seed_flaws,
     # and shrinking a long stateful trace takes minutes.
     run_state_machine_as_test(machine, settings=settings(
-        SETTINGS, max_examples=150, derandomize=True, database=None,
+        SETTINGS, max_examples=examples_per_backend(150), derandomize=True, database=None,
         phases=[Phase.explicit, Phase.generate]))
