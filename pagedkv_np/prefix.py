@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ConfigError, DTypeError
-from .layout import check_int, check_nonneg_int, check_positive_int
+from .layout import check_int, check_nonneg_int, check_positive_int, is_int
 
 __all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
 
@@ -80,7 +80,8 @@ def encode_salt(salt: str | bytes | int | None) -> bytes:
         except UnicodeEncodeError as exc:
             raise ConfigError(f"Invalid salt: a str salt must be encodable as UTF-8 "
                               f"({exc.reason} at index {exc.start})") from None
-    if isinstance(salt, int) and not isinstance(salt, bool):
+    if is_int(salt):
+        salt = int(salt)   # a NumPy int salt is the same salt as the Python int
         if salt.bit_length() <= _MAX_DECIMAL_SALT_BITS:
             return b"i" + str(salt).encode("ascii")
         # past Python's (configurable) limit on int -> decimal str conversion
