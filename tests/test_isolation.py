@@ -33,11 +33,12 @@ NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM, NUM_PAGES = 2, 2, 2, 40
 SALTS = [None, "a", "b", b"a", 1, "1", b"1", ""]
 
 
-def replay(script, page_size: int, salt_of=lambda s: s, hash_fn=None) -> list[tuple]:
-    """Run ``script`` (a list of (prompt, salt, keep)) and audit it; return
-    what a caller can observe, request by request."""
+def replay(backend, script, page_size: int, salt_of=lambda s: s, hash_fn=None) -> list[tuple]:
+    """Run ``script`` (a list of (prompt, salt, keep)) on a cache of
+    ``backend`` and audit it; return what a caller can observe, request by
+    request."""
     cache = pk.PagedKVCache(NUM_LAYERS, NUM_PAGES, page_size, NUM_KV_HEADS, HEAD_DIM,
-                            backend="numpy", hash_secret=b"isolation", _hash_fn=hash_fn)
+                            backend=backend, hash_secret=b"isolation", _hash_fn=hash_fn)
     writer: dict[int, tuple] = {}       # page id -> (salt bytes, prefix through its last slot)
     written: dict[bytes, list] = {}     # salt bytes -> prompts written under it
     live: list[tuple[pk.Sequence, bytes]] = []
@@ -71,7 +72,7 @@ def replay(script, page_size: int, salt_of=lambda s: s, hash_fn=None) -> list[tu
         written.setdefault(salt_bytes, []).append(prompt)
         digest = hashlib.sha256()
         for layer in range(NUM_LAYERS):
-            k, v = cache.gather(layer, plan, layout="BTHD")
+            k, v = map(cache.backend.to_numpy, cache.gather(layer, plan, layout="BTHD"))
             want_k, want_v = kv_rows(prompt, 0, hi, layer, NUM_KV_HEADS, HEAD_DIM)
             assert np.array_equal(k[0].view(np.uint32), want_k.view(np.uint32))
             assert np.array_equal(v[0].view(np.uint32), want_v.view(np.uint32))
@@ -109,50 +110,51 @@ COMPARE = settings(max_examples=15, deadline=None, derandomize=True, database=No
 
 
 @pytest.mark.parametrize("page_size", [1, 2, 4])
-def test_no_page_is_shared_across_salts(page_size: int):
+def test_no_page_is_shared_across_salts(page_size: int, cache_backend):
     @SETTINGS
     @given(scripts(page_size))
     def check(script):
-        replay(script, page_size)
+        replay(cache_backend, script, page_size)
 
     check()
 
 
-def test_no_page_is_shared_across_salts_even_when_every_hash_collides():
+def test_no_page_is_shared_across_salts_even_when_every_hash_collides(cache_backend):
     @SETTINGS
     @given(scripts(2))
     def check(script):
-        replay(script, 2, hash_fn=lambda secret, parent, tokens: b"x")
+        replay(cache_backend, script, 2, hash_fn=lambda secret, parent, tokens: b"x")
 
     check()
 
 
 @pytest.mark.parametrize("page_size", [1, 3])
-def test_renaming_salts_changes_nothing(page_size: int):
+def test_renaming_salts_changes_nothing(page_size: int, cache_backend):
     rename = {None: "z", "a": b"b", "b": 2, b"a": None, 1: "1 ", "1": b"", b"1": "b", "": 1}
     assert len(set(map(repr, rename.values()))) == len(rename)
 
     @COMPARE
     @given(scripts(page_size))
     def check(script):
-        assert replay(script, page_size) == replay(script, page_size, salt_of=rename.get)
+        assert (replay(cache_backend, script, page_size)
+                == replay(cache_backend, script, page_size, salt_of=rename.get))
 
     check()
 
 
 @pytest.mark.parametrize("salt", ["tenant", b"tenant", 7])
-def test_one_salt_for_everyone_behaves_like_no_salt(salt):
+def test_one_salt_for_everyone_behaves_like_no_salt(salt, cache_backend):
     @COMPARE
     @given(scripts(2))
     def check(script):
-        assert (replay(script, 2, salt_of=lambda s: salt)
-                == replay(script, 2, salt_of=lambda s: None))
+        assert (replay(cache_backend, script, 2, salt_of=lambda s: salt)
+                == replay(cache_backend, script, 2, salt_of=lambda s: None))
 
     check()
 
 
-def test_same_salt_shares_and_other_salts_do_not():
-    cache = pk.PagedKVCache(1, 16, 2, 1, 1, backend="numpy")
+def test_same_salt_shares_and_other_salts_do_not(cache_backend):
+    cache = pk.PagedKVCache(1, 16, 2, 1, 1, backend=cache_backend)
     prompt = [1, 2, 3, 4, 5]
 
     def served(salt) -> int:
@@ -171,11 +173,11 @@ def test_same_salt_shares_and_other_salts_do_not():
     assert len({cache.index.root(s)[0] for s in ("tenant-a", b"tenant-a", None, "", 0)}) == 5
 
 
-def test_a_weak_hash_does_not_leak_pages_across_salts():
+def test_a_weak_hash_does_not_leak_pages_across_salts(cache_backend):
     """Tenant b's page must not be reachable by tenant a even when page hashes
     collide: ``[5, 6]`` was written by b after ``[1, 2]``, and a asks for
     ``[1, 2, 5, 6, 9]`` after writing ``[1, 2, 3, 4, 9]`` itself."""
     tokens_only = lambda secret, parent, tokens: tokens  # noqa: E731
     script = [([1, 2, 3, 4, 9], "a", False), ([1, 2, 5, 6, 9], "b", False),
               ([1, 2, 5, 6, 9], "a", False)]
-    replay(script, 2, hash_fn=tokens_only)
+    replay(cache_backend, script, 2, hash_fn=tokens_only)
