@@ -104,7 +104,7 @@ class Driver:
             self.writer[seq.page_ids[j]] = tuple(prompt[:min(hi, (j + 1) * ps)])
         self.written.append(prompt)
         for layer in range(cache.num_layers):
-            k, v = cache.gather(layer, plan, layout="BTHD")
+            k, v = map(cache.backend.to_numpy, cache.gather(layer, plan, layout="BTHD"))
             want_k, want_v = kv_rows(prompt, 0, hi, layer, NUM_KV_HEADS, HEAD_DIM)
             if not (np.array_equal(k[0].view(np.uint32), want_k.view(np.uint32))
                     and np.array_equal(v[0].view(np.uint32), want_v.view(np.uint32))):
@@ -129,9 +129,9 @@ def random_prompts(rng: random.Random, page_size: int, num: int) -> list[list[in
 # ------------------------------------------------------------------- tests
 @pytest.mark.parametrize("hash_name, page_size", [
     ("constant", 1), ("constant", 2), ("constant", 3), ("two-bit", 3), ("seed-polynomial", 3)])
-def test_degenerate_hash_never_serves_other_tokens(hash_name: str, page_size: int):
+def test_degenerate_hash_never_serves_other_tokens(hash_name: str, page_size: int, cache_backend):
     cache = pk.PagedKVCache(NUM_LAYERS, 48, page_size, NUM_KV_HEADS, HEAD_DIM,
-                            backend="numpy", _hash_fn=HASHES[hash_name])
+                            backend=cache_backend, _hash_fn=HASHES[hash_name])
     driver = Driver(cache)
     rng = random.Random(1234 + page_size)
     for prompt in random_prompts(rng, page_size, 500):
@@ -151,8 +151,8 @@ def test_degenerate_hash_never_serves_other_tokens(hash_name: str, page_size: in
     assert c["wrong_data"] == 0
 
 
-def test_constant_hash_cache_still_shares_exact_prefixes():
-    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend="numpy",
+def test_constant_hash_cache_still_shares_exact_prefixes(cache_backend):
+    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend=cache_backend,
                             _hash_fn=constant_hash)
     driver = Driver(cache)
     driver.run([1, 2, 3, 4, 5])
@@ -165,7 +165,7 @@ def test_constant_hash_cache_still_shares_exact_prefixes():
 
 
 @pytest.mark.parametrize("hash_name", ["first-token", "chained-first-token"])
-def test_page_after_a_colliding_parent_is_not_served(hash_name: str):
+def test_page_after_a_colliding_parent_is_not_served(hash_name: str, cache_backend):
     """A page registered while its parent's hash was held by another page.
 
     ``B = [1, 7 | 5, 6 | 9]``: its first page collides with ``A``'s
@@ -179,7 +179,7 @@ def test_page_after_a_colliding_parent_is_not_served(hash_name: str):
         hash_fn = lambda secret, parent, tokens: tokens[:8]  # noqa: E731
     else:
         hash_fn = lambda secret, parent, tokens: parent[:1] + tokens[:8]  # noqa: E731
-    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend="numpy",
+    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend=cache_backend,
                             _hash_fn=hash_fn)
     driver = Driver(cache)
     driver.run([1, 2, 3, 4, 9])
@@ -191,12 +191,12 @@ def test_page_after_a_colliding_parent_is_not_served(hash_name: str):
     assert seq.num_cached_tokens == 2
 
 
-def test_seed_polynomial_example_does_not_collide():
+def test_seed_polynomial_example_does_not_collide(cache_backend):
     """``[1, 0]`` and ``[0, 31]`` share the seed's hash (1*31+0 == 0*31+31)."""
     a, b = np.array([1, 0], "<i8").tobytes(), np.array([0, 31], "<i8").tobytes()
     assert seed_polynomial_hash(b"", b"", a) == seed_polynomial_hash(b"", b"", b)
 
-    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend="numpy")
+    cache = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend=cache_backend)
     root, _ = cache.index.root()
     assert cache.index.page_digest(root, a) != cache.index.page_digest(root, b)
     driver = Driver(cache)
@@ -207,7 +207,7 @@ def test_seed_polynomial_example_does_not_collide():
     assert driver.counts["wrong_data"] == 0
 
     # With the seed's hash plugged in, the collision happens and is refused.
-    weak = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend="numpy",
+    weak = pk.PagedKVCache(NUM_LAYERS, 16, 2, NUM_KV_HEADS, HEAD_DIM, backend=cache_backend,
                            _hash_fn=seed_polynomial_hash)
     driver = Driver(weak)
     driver.run([1, 0, 5])
@@ -216,23 +216,24 @@ def test_seed_polynomial_example_does_not_collide():
     assert driver.counts["wrong_data"] == 0
 
 
-def test_default_hash_is_keyed_and_chained():
+def test_default_hash_is_keyed_and_chained(cache_backend):
     page = np.array([3, 1, 4, 1], "<i8").tobytes()
     root = b"\0" * 16
     assert blake2b_page_hash(b"k1", root, page) != blake2b_page_hash(b"k2", root, page)
     assert blake2b_page_hash(b"k1", root, page) == blake2b_page_hash(b"k1", root, page)
     assert blake2b_page_hash(b"k1", b"\1" * 16, page) != blake2b_page_hash(b"k1", root, page)
     # Caches given the same secret agree on hashes; caches without one do not.
-    c1, c2 = (pk.PagedKVCache(1, 4, 4, 1, 1, backend="numpy", hash_secret=b"s") for _ in range(2))
+    c1, c2 = (pk.PagedKVCache(1, 4, 4, 1, 1, backend=cache_backend, hash_secret=b"s")
+              for _ in range(2))
     assert c1.index.root("t") == c2.index.root("t")
-    r1, r2 = (pk.PagedKVCache(1, 4, 4, 1, 1, backend="numpy") for _ in range(2))
+    r1, r2 = (pk.PagedKVCache(1, 4, 4, 1, 1, backend=cache_backend) for _ in range(2))
     assert r1.index.root("t")[0] != r2.index.root("t")[0]
 
 
-def test_compat_record_page_after_a_colliding_parent_is_not_served():
+def test_compat_record_page_after_a_colliding_parent_is_not_served(cache_backend):
     """The seed-compatible API: same scenario as above through record_page /
     lookup_prefix (the index's hash replaced the same way)."""
-    pc = pk.PagedCache(1, 16, 2, 1, 1, backend="numpy")
+    pc = pk.PagedCache(1, 16, 2, 1, 1, backend=cache_backend)
     pc._index._hash = lambda secret, parent, tokens: tokens[:8]
     a, b = [1, 2, 3, 4, 9], [1, 7, 5, 6, 9]
     pages_a, pages_b = pc.alloc_n(2), pc.alloc_n(2)
