@@ -341,7 +341,7 @@ class PagedKVCache:
                               [s.seq_id for s in seqs],
                               page_arrays=[s.page_array() for s in seqs] if big else None)
             self._plans.add(plan, PlanState(self._epoch, tuple(seqs), versions,
-                                            self.num_layers))
+                                            self.num_layers, self.backend.prepare(plan)))
             mark_all_planned(seqs, lens)
             return plan
 
@@ -362,7 +362,7 @@ class PagedKVCache:
             state = self._check_plan(plan)
             if type(layer) is not int or not 0 <= layer < self.store.num_layers:
                 layer = self._io.layer_id(layer)
-            self._io.write(layer, plan, k, v)
+            self._io.write(layer, plan, k, v, state.prepared)
             if state.mark_written(layer):
                 self._plan_written(plan, state)
 
@@ -391,10 +391,11 @@ class PagedKVCache:
             Positions past each sequence's length are zero.
         """
         with self._lock:
-            self._check_plan(plan)
+            state = self._check_plan(plan)
             if layout is None:
                 layout = self.gather_layout
-            return self._io.gather(layer, plan, layout, out, num_positions, dtype)
+            return self._io.gather(layer, plan, layout, out, num_positions, dtype,
+                                   state.prepared)
 
     def is_written(self, plan: Plan) -> bool:
         """Whether every layer has been written through ``plan`` (a plan of

@@ -2,8 +2,13 @@
 store and its backend.
 
 The cache checks the plan (its own, still current) and the lock; what is left
-here is the layer, the data and the output sizes, before the backend's kernels
-run without checking the plan's indices again.
+here is the layer and the output sizes. Every call then goes through the
+backend's public methods (so a backend's own ``write`` or ``gather`` runs:
+CuPy's picks the device and uploads host data), telling it what is known
+already: the store is the one it was made with and checked then
+(``check_store=False``), the plan's indices were checked when it was built
+(``check_indices=False``), and the backend prepared them once for every layer
+(``prepared=``). The backend still checks the K/V data and the outputs.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import sys
 from typing import Any
 
 from .backends import Backend
+from .backends.prepared import PreparedIndices
 from .errors import AllocationError, ConfigError, DTypeError, PagedKVError, PageIdError, ShapeError
-from .layout import check_array, resolve_dtype, shown
+from .layout import resolve_dtype, shown
 from .plan import Plan
 from .store import KVStore
 
@@ -36,7 +42,6 @@ class LayerIO:
 
     def __init__(self, store: KVStore, backend: Backend) -> None:
         self.store, self.backend = store, backend
-        self._kernel_store = backend._kernel_views(store.k, store.v)
 
     def layer_id(self, layer: Any) -> int:
         """``layer`` as an index of the store's layers, else a typed error."""
@@ -48,33 +53,30 @@ class LayerIO:
                               f"got {shown(layer)}")
         return int(layer)
 
-    def write(self, layer: int, plan: Plan, k: Any, v: Any) -> None:
+    def write(self, layer: int, plan: Plan, k: Any, v: Any,
+              prepared: PreparedIndices | None) -> None:
         """Write the K/V of the plan's new tokens into ``layer`` (an index in
-        range); see :meth:`PagedKVCache.write`."""
-        # The store was checked when it was made and the plan when it was
-        # built: what is left to check is the data, and then the backend's
-        # kernel can be called directly.
-        store, backend = self.store, self.backend
+        range); see :meth:`PagedKVCache.write`. ``prepared`` is the
+        backend's :meth:`~pagedkv_np.backends.base.Backend.prepare` of ``plan``."""
+        store = self.store
         if store.quant is not None:
-            backend.write_quantized(store.k, store.v, store.k_scale, store.v_scale, layer,
-                                    plan.slot_mapping, k, v, layout=store.layout,
-                                    check_indices=False)
-            return
-        shape = (plan.slot_mapping.shape[0], store.num_kv_heads, store.head_dim)
-        check_array(k, "k", shape=shape, dtype=store.dtype, array_type=backend.array_types)
-        check_array(v, "v", shape=shape, dtype=store.dtype, array_type=backend.array_types)
-        backend.check_sources((k, v), (store.k, store.v))
-        if shape[0]:
-            backend._write(*self._kernel_store, layer, plan.slot_mapping, k, v, store.layout)
+            self.backend.write_quantized(
+                store.k, store.v, store.k_scale, store.v_scale, layer, plan.slot_mapping, k, v,
+                layout=store.layout, check_indices=False, check_store=False, prepared=prepared)
+        else:
+            self.backend.write(store.k, store.v, layer, plan.slot_mapping, k, v,
+                               layout=store.layout, check_indices=False, check_store=False,
+                               prepared=prepared)
 
     def gather(self, layer: Any, plan: Plan, layout: Any, out: Any, num_positions: Any,
-               dtype: Any) -> tuple[Any, Any]:
-        """Gather ``layer`` of the plan's sequences; see :meth:`PagedKVCache.gather`."""
+               dtype: Any, prepared: PreparedIndices | None) -> tuple[Any, Any]:
+        """Gather ``layer`` of the plan's sequences; see :meth:`PagedKVCache.gather`
+        (``prepared`` as in :meth:`write`)."""
         layer = self.layer_id(layer)
         if out is None:
             self._check_gather_size(plan, num_positions)
         try:
-            return self._gather(layer, plan, layout, out, num_positions, dtype)
+            return self._gather(layer, plan, layout, out, num_positions, dtype, prepared)
         except MemoryError as exc:
             if isinstance(exc, PagedKVError):
                 raise
@@ -101,16 +103,18 @@ class LayerIO:
                 "can hold")
 
     def _gather(self, layer: int, plan: Plan, layout: Any, out: Any, num_positions: Any,
-                dtype: Any) -> tuple[Any, Any]:
+                dtype: Any, prepared: PreparedIndices | None) -> tuple[Any, Any]:
         store = self.store
         if store.quant is not None:
             return self.backend.gather_quantized(
                 store.k, store.v, store.k_scale, store.v_scale, layer, plan.page_table,
                 plan.seq_lens, layout=store.layout, out_layout=layout, out=out,
-                num_positions=num_positions, dtype=dtype, check_indices=False)
+                num_positions=num_positions, dtype=dtype, check_indices=False,
+                check_store=False, prepared=prepared)
         if dtype is not None and resolve_dtype(dtype) != store.dtype:
             raise DTypeError(f"Invalid dtype: a {store.dtype} cache gathers {store.dtype}, "
                              f"got {dtype!r}")
         return self.backend.gather(store.k, store.v, layer, plan.page_table, plan.seq_lens,
                                    layout=store.layout, out_layout=layout, out=out,
-                                   num_positions=num_positions, check_indices=False)
+                                   num_positions=num_positions, check_indices=False,
+                                   check_store=False, prepared=prepared)

@@ -30,12 +30,18 @@ class PlanState:
         Their versions when the plan was built.
     num_layers : int
         Layers the plan must be written in.
+    prepared : PreparedIndices, optional
+        The backend's :meth:`~pagedkv_np.backends.base.Backend.prepare` of
+        the plan, passed to every write and gather through it.
     """
 
-    __slots__ = ("epoch", "seqs", "versions", "discarded", "_written", "_num_written")
+    __slots__ = ("epoch", "seqs", "versions", "discarded", "prepared", "_written",
+                 "_num_written")
 
-    def __init__(self, epoch: int, seqs: tuple, versions: tuple, num_layers: int) -> None:
+    def __init__(self, epoch: int, seqs: tuple, versions: tuple, num_layers: int,
+                 prepared: Any = None) -> None:
         self.epoch = epoch
+        self.prepared = prepared
         self.seqs = seqs
         self.versions = versions
         self.discarded = False

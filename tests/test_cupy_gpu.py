@@ -421,7 +421,8 @@ def emulated_backend(emulator, monkeypatch):
         empty=lambda shape, dtype: np.full(
             int(np.prod(shape)) * np.dtype(dtype).itemsize, 0xAB, np.uint8
         ).view(dtype).reshape(shape).view(FakeDeviceArray),
-        may_share_memory=np.may_share_memory)
+        may_share_memory=np.may_share_memory,
+        cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0)))
     monkeypatch.setattr(cupy_gpu, "cupy", fake_cupy)
     monkeypatch.setattr(cupy_gpu, "get_kernel", lambda file_name, entry_point: (
         lambda grid, block, args: emulator.launch(entry_point, grid, block, args)))
@@ -474,6 +475,48 @@ def test_emulated_backend_refuses_host_and_overlapping_outputs(emulated_backend)
     with pytest.raises(ShapeError, match="share memory"):
         be.gather(k_cache, v_cache, 1, case.page_table, case.seq_lens,
                   out=(both[:shape[0]], both[shape[0] - 1:]))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "int8"])
+def test_emulated_backend_through_the_cache(emulated_backend, monkeypatch, dtype):
+    """A PagedKVCache on the CuPy backend takes host K/V (onnxruntime's), its
+    plan's indices go up once per plan, and it gathers what the NumPy
+    reference cache gathers, bit for bit."""
+    from pagedkv_np import PagedKVCache
+    from pagedkv_np.backends import cupy_gpu
+
+    uploads = []
+    device = cupy_gpu.cupy.asarray
+
+    def counted(x):
+        if isinstance(x, np.ndarray) and x.dtype == np.int32:
+            uploads.append(x.shape)
+        return device(x)
+
+    monkeypatch.setattr(cupy_gpu.cupy, "asarray", counted)
+    num_layers, heads, head_dim = 3, 2, 64
+    rng = np.random.default_rng(3)
+    caches = [PagedKVCache(num_layers, 12, 16, heads, head_dim, dtype=dtype, backend=be,
+                           layout="HND") for be in (emulated_backend, "numpy")]
+    prompt = rng.integers(0, 1000, 40)
+    got = []
+    for cache in caches:
+        seq = cache.add_sequence(prompt)
+        cache.extend(seq, prompt)
+        plan = cache.plan([seq])
+        data = np.random.default_rng(4)
+        uploads.clear()
+        for layer in range(num_layers):
+            k, v = (data.standard_normal((40, heads, head_dim)).astype(
+                np.float32 if dtype == "int8" else dtype) for _ in range(2))
+            cache.write(layer, plan, k, v)   # host arrays, as onnxruntime returns
+        got.append([cache.backend.to_numpy(x) for layer in range(num_layers)
+                    for x in cache.gather(layer, plan)])
+        if cache.backend is emulated_backend:
+            assert all(isinstance(x, FakeDeviceArray) for x in cache.gather(0, plan))
+            # slot_mapping once for the writes; page_table and seq_lens once for the gathers
+            assert sorted(uploads) == sorted([(40,), (1, 3), (1,)])
+    assert_same_bits(got[0], got[1])
 
 
 # ------------------------------------------------- int8 stores, on the CPU

@@ -19,8 +19,9 @@ from collections.abc import Callable
 
 from ..errors import BackendUnavailable, ConfigError
 from .base import Backend
+from .prepared import PreparedIndices
 
-__all__ = ["Backend", "get_backend", "available_backends", "register_backend",
+__all__ = ["Backend", "PreparedIndices", "get_backend", "available_backends", "register_backend",
            "default_backend_name"]
 
 # name -> (module, class, pip extra that provides its library)

@@ -14,9 +14,19 @@ Index arrays (``slot_mapping``, ``page_table``, ``seq_lens``, page lists) are
 host NumPy int32 arrays for every backend: they are checked on the host and a
 device backend uploads them itself.
 
-``check_indices=False`` skips the O(n) range checks on index arrays (shapes and
-dtypes are still checked). The cache uses it for plans it built and checked
-itself once per step; everyone else should leave it on.
+Every caller, the cache included, goes through the public methods, so a
+backend that overrides one (CuPy's, to pick the device and take host or DLPack
+inputs) sees every call. Three keywords let a caller that has done part of the
+work say so:
+
+* ``check_indices=False`` skips the O(n) range checks on index arrays (shapes
+  and dtypes are still checked);
+* ``check_store=False`` skips the checks of the store arrays themselves;
+* ``prepared=`` passes :meth:`Backend.prepare`'s form of a plan's index
+  arrays, which a device backend uploads once per plan instead of once a call.
+
+The cache sets all three for the stores it made and the plans it built and
+checked itself, once per step; everyone else should leave the checks on.
 """
 
 from __future__ import annotations
@@ -32,9 +42,10 @@ from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, 
 from ..quant import QUANT_DTYPES, group_size
 from .checks import (CACHE_LINE, aligned_array, check_page_pairs, check_page_table,
                      check_slot_mapping)
+from .prepared import PreparedIndices
 
-__all__ = ["Backend", "INDEX_DTYPE", "CACHE_LINE", "aligned_array", "check_slot_mapping",
-           "check_page_table", "check_page_pairs"]
+__all__ = ["Backend", "PreparedIndices", "INDEX_DTYPE", "CACHE_LINE", "aligned_array",
+           "check_slot_mapping", "check_page_table", "check_page_pairs"]
 
 INDEX_DTYPE = np.dtype(np.int32)
 _STORE_DTYPES = frozenset(SUPPORTED_DTYPES.values())
@@ -120,6 +131,31 @@ class Backend:
                                      f"pass a copy")
 
     # ------------------------------------------------------------- public ops
+    def prepare(self, plan: Any) -> PreparedIndices:
+        """The index arrays of ``plan`` as this backend's kernels take them.
+
+        Pass the result as ``prepared=`` to every write and gather through
+        that plan, beside the plan's own arrays. The CPU backends use the host
+        arrays as they are; a device backend keeps one upload of each per plan.
+
+        Parameters
+        ----------
+        plan : Plan
+            Or any object with ``slot_mapping``, ``page_table`` and
+            ``seq_lens`` host int32 arrays that will not change.
+        """
+        return PreparedIndices(plan)
+
+    @staticmethod
+    def _kernel_indices(prepared: PreparedIndices | None, host: np.ndarray) -> Any:
+        """``host`` as the kernels take it: through ``prepared`` when given."""
+        if prepared is None:
+            return host
+        if not isinstance(prepared, PreparedIndices):
+            raise DTypeError(f"Invalid prepared: expected the result of prepare(plan), "
+                             f"got {type(prepared).__name__}")
+        return prepared.get(host)
+
     def write(
         self,
         k_cache: Any,
@@ -132,6 +168,7 @@ class Backend:
         layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
         check_store: bool = True,
+        prepared: PreparedIndices | None = None,
     ) -> None:
         """Write the K/V of ``N`` tokens into their slots of one layer.
 
@@ -152,6 +189,8 @@ class Backend:
             Set to False only by a caller that checked the index arrays, or
             owns a store it checked, already (the cache does, once per plan
             and once per store).
+        prepared : PreparedIndices, optional
+            :meth:`prepare` of the plan ``slot_mapping`` belongs to.
         """
         layout = StoreLayout.parse(layout)
         if check_store:
@@ -169,8 +208,9 @@ class Backend:
         self.check_sources((k, v), (k_cache, v_cache))
         if check_indices:
             check_slot_mapping(slot_mapping, num_pages * page_size)
+        slots = self._kernel_indices(prepared, slot_mapping)
         if n:
-            self._write(k_cache, v_cache, layer, slot_mapping, k, v, layout)
+            self._write(k_cache, v_cache, layer, slots, k, v, layout)
 
     def gather(
         self,
@@ -185,6 +225,8 @@ class Backend:
         out: tuple[Any, Any] | None = None,
         num_positions: int | None = None,
         check_indices: bool = True,
+        check_store: bool = True,
+        prepared: PreparedIndices | None = None,
     ) -> tuple[Any, Any]:
         """Gather each sequence's K/V of one layer into contiguous arrays.
 
@@ -202,6 +244,9 @@ class Backend:
             ``T >= max(seq_lens)``; allocated when omitted.
         num_positions : int, optional
             ``T`` of freshly allocated buffers (default ``max(seq_lens)``).
+        check_indices, check_store, prepared
+            As in :meth:`write` (``prepared`` of the plan ``page_table`` and
+            ``seq_lens`` belong to).
 
         Returns
         -------
@@ -210,21 +255,29 @@ class Backend:
         """
         layout = StoreLayout.parse(layout)
         out_layout = OutputLayout.parse(out_layout, "out_layout")
-        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_store(
-            k_cache, v_cache, layout)
+        if check_store:
+            dims = self._check_store(k_cache, v_cache, layout)
+        else:
+            dims = _store_dims(k_cache.shape, layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         layer = _check_layer(layer, num_layers)
-        self._check_index(page_table, "page_table", 2)
+        self._check_gather_indices(page_table, seq_lens, num_pages, page_size, check_indices)
         num_seqs = page_table.shape[0]
-        check_array(seq_lens, "seq_lens", shape=(num_seqs,), dtype=INDEX_DTYPE)
-        if check_indices:
-            check_page_table(page_table, seq_lens, num_pages, page_size)
         k_out, v_out = self._gather_outputs(out, out_layout, num_seqs, seq_lens, num_kv_heads,
                                             head_dim, k_cache.dtype, num_positions,
                                             (k_cache, v_cache))
         if num_seqs:
-            self._gather(k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
+            self._gather(k_cache, v_cache, layer, self._kernel_indices(prepared, page_table),
+                         self._kernel_indices(prepared, seq_lens), k_out, v_out,
                          layout, out_layout)
         return k_out, v_out
+
+    def _check_gather_indices(self, page_table: Any, seq_lens: Any, num_pages: int,
+                              page_size: int, check_indices: bool) -> None:
+        self._check_index(page_table, "page_table", 2)
+        check_array(seq_lens, "seq_lens", shape=(page_table.shape[0],), dtype=INDEX_DTYPE)
+        if check_indices:
+            check_page_table(page_table, seq_lens, num_pages, page_size)
 
     def _gather_outputs(self, out: Any, out_layout: OutputLayout, num_seqs: int,
                         seq_lens: np.ndarray, num_kv_heads: int, head_dim: int,
@@ -279,6 +332,7 @@ class Backend:
         *,
         layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
+        check_store: bool = True,
     ) -> None:
         """Copy whole pages, every layer, K and V: ``dst_pages[i] <- src_pages[i]``.
 
@@ -286,9 +340,13 @@ class Backend:
         ----------
         src_pages, dst_pages : ndarray, shape [n], dtype int32
             Distinct destinations, none of which is also a source.
+        check_indices, check_store : bool
+            As in :meth:`write`.
         """
         layout = StoreLayout.parse(layout)
-        _, num_pages, _, _, _ = self._check_store(k_cache, v_cache, layout, codes=True)
+        if check_store:
+            self._check_store(k_cache, v_cache, layout, codes=True)
+        num_pages = k_cache.shape[1]
         self._check_index(src_pages, "src_pages", 1)
         check_array(dst_pages, "dst_pages", shape=src_pages.shape, dtype=INDEX_DTYPE)
         if check_indices:
@@ -334,6 +392,8 @@ class Backend:
         *,
         layout: str | StoreLayout = StoreLayout.NHD,
         check_indices: bool = True,
+        check_store: bool = True,
+        prepared: PreparedIndices | None = None,
     ) -> None:
         """Quantize the K/V of ``N`` tokens into their slots of an int8 store.
 
@@ -348,10 +408,15 @@ class Backend:
             As in :meth:`write`.
         k, v : array, shape [N, num_kv_heads, head_dim], float32, float16 or bfloat16
             The same dtype for both; any strides.
+        check_indices, check_store, prepared
+            As in :meth:`write`.
         """
         layout = StoreLayout.parse(layout)
-        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_quant_store(
-            k_cache, v_cache, k_scale, v_scale, layout)
+        if check_store:
+            dims = self._check_quant_store(k_cache, v_cache, k_scale, v_scale, layout)
+        else:
+            dims = _store_dims(k_cache.shape, layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         if type(layer) is not int or not 0 <= layer < num_layers:
             layer = _check_layer(layer, num_layers)
         self._check_index(slot_mapping, "slot_mapping", 1)
@@ -364,9 +429,10 @@ class Backend:
         self.check_sources((k, v), (k_cache, v_cache, k_scale, v_scale))
         if check_indices:
             check_slot_mapping(slot_mapping, num_pages * page_size)
+        slots = self._kernel_indices(prepared, slot_mapping)
         if n:
-            self._write_quantized(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping,
-                                  k, v, layout)
+            self._write_quantized(k_cache, v_cache, k_scale, v_scale, layer, slots, k, v,
+                                  layout)
 
     def gather_quantized(
         self,
@@ -384,6 +450,8 @@ class Backend:
         num_positions: int | None = None,
         dtype: Any = None,
         check_indices: bool = True,
+        check_store: bool = True,
+        prepared: PreparedIndices | None = None,
     ) -> tuple[Any, Any]:
         """Dequantize each sequence's K/V of one layer of an int8 store into
         contiguous arrays; the arguments are those of :meth:`gather` and
@@ -394,6 +462,8 @@ class Backend:
         dtype : {"float32", "float16", "bfloat16"}, optional
             dtype of the output: that of ``out`` when given (``dtype``, if
             also given, must match), else float32.
+        check_indices, check_store, prepared
+            As in :meth:`gather`.
 
         Returns
         -------
@@ -402,14 +472,14 @@ class Backend:
         """
         layout = StoreLayout.parse(layout)
         out_layout = OutputLayout.parse(out_layout, "out_layout")
-        num_layers, num_pages, page_size, num_kv_heads, head_dim = self._check_quant_store(
-            k_cache, v_cache, k_scale, v_scale, layout)
+        if check_store:
+            dims = self._check_quant_store(k_cache, v_cache, k_scale, v_scale, layout)
+        else:
+            dims = _store_dims(k_cache.shape, layout)
+        num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         layer = _check_layer(layer, num_layers)
-        self._check_index(page_table, "page_table", 2)
+        self._check_gather_indices(page_table, seq_lens, num_pages, page_size, check_indices)
         num_seqs = page_table.shape[0]
-        check_array(seq_lens, "seq_lens", shape=(num_seqs,), dtype=INDEX_DTYPE)
-        if check_indices:
-            check_page_table(page_table, seq_lens, num_pages, page_size)
         if dtype is not None:
             dtype = resolve_dtype(dtype)
         elif out is None:
@@ -418,20 +488,16 @@ class Backend:
                                             head_dim, dtype, num_positions,
                                             (k_cache, v_cache, k_scale, v_scale))
         if num_seqs:
-            self._gather_quantized(k_cache, v_cache, k_scale, v_scale, layer, page_table,
-                                   seq_lens, k_out, v_out, layout, out_layout)
+            self._gather_quantized(k_cache, v_cache, k_scale, v_scale, layer,
+                                   self._kernel_indices(prepared, page_table),
+                                   self._kernel_indices(prepared, seq_lens), k_out, v_out,
+                                   layout, out_layout)
         return k_out, v_out
 
     # ------------------------------------------------ implemented by backends
-    def _kernel_views(self, k_cache: Any, v_cache: Any) -> tuple[Any, Any]:
-        """The store as :meth:`_write` takes it fastest (the arrays themselves
-        unless a backend says otherwise); its owner may compute this once and
-        pass it to every :meth:`_write`."""
-        return k_cache, v_cache
-
     def _write(self, k_cache, v_cache, layer, slot_mapping, k, v, layout):  # pragma: no cover
-        """Write every token whose slot is not -1. ``k_cache``/``v_cache`` are
-        the store or its :meth:`_kernel_views`."""
+        """Write every token whose slot is not -1. Index arrays arrive in the
+        kernels' form (:meth:`prepare`'s, or the host arrays) here and below."""
         raise NotImplementedError
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,

@@ -9,7 +9,10 @@ so float32, float16 and bfloat16 share the same code and results match the
 NumPy reference bit for bit.
 
 Index arrays arrive as host int32 arrays (checked by
-:class:`~pagedkv_np.backends.base.Backend`) and are uploaded per call. K/V
+:class:`~pagedkv_np.backends.base.Backend`) and are uploaded per call, unless
+the caller passes :meth:`CupyBackend.prepare`'s form of its plan: that one
+uploads each of the plan's arrays once per device, on first use, and every
+later layer reuses the copy (the cache does this for every plan it builds). K/V
 inputs may be CuPy arrays, host NumPy arrays (uploaded), or any CUDA array
 exposing ``__cuda_array_interface__`` or ``__dlpack__`` (a PyTorch CUDA
 tensor, say), which is used in place without a copy.
@@ -33,6 +36,7 @@ from .cuda_launch import (LaunchPlan, block_shape, plan_copy_pages, plan_gather,
                           plan_gather_quantized, plan_write, plan_write_quantized,
                           row_strides, word_bytes)
 from .base import Backend
+from .prepared import PreparedIndices
 
 try:
     import cupy
@@ -43,7 +47,7 @@ else:
     _IMPORT_ERROR = None
 
 # the launch geometry is re-exported: tests and scripts/gpu_bench.py take it from here
-__all__ = ["CupyBackend", "LaunchPlan", "block_shape", "row_strides", "word_bytes",
+__all__ = ["CupyBackend", "DeviceIndices", "LaunchPlan", "block_shape", "row_strides", "word_bytes",
            "plan_write", "plan_gather", "plan_copy_pages", "plan_write_quantized",
            "plan_gather_quantized"]
 
@@ -51,6 +55,32 @@ _INSTALL_HINT = "install it with: pip install 'pagedkv-np[cuda]'"
 
 # DLPack device types of CUDA memory: kDLCUDA, kDLCUDAManaged.
 _DLPACK_CUDA_DEVICES = (2, 13)
+
+
+class DeviceIndices(PreparedIndices):
+    """A plan's index arrays with one device copy of each per GPU, made when
+    a kernel on that GPU first needs it (the store's GPU is current then)."""
+
+    __slots__ = ("_copies",)
+
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
+        self._copies: dict[tuple[int, int], Any] = {}
+
+    def kernel_form(self, host: Any) -> Any:
+        key = (id(host), cupy.cuda.runtime.getDevice())
+        copy = self._copies.get(key)
+        if copy is None:   # the plan holds ``host``, so its id names it while this lives
+            copy = self._copies[key] = cupy.asarray(np.ascontiguousarray(host))
+        return copy
+
+
+def _device_index(x: Any) -> Any:
+    """An index array on the current device: a prepared copy as it is, a
+    host array uploaded."""
+    return x if isinstance(x, cupy.ndarray) else cupy.asarray(np.ascontiguousarray(x))
+
+
 def _nvrtc_version() -> tuple[int, int]:
     """NVRTC's version; raises when CuPy cannot load the library. CuPy wheels
     do not ship it: it comes from the CUDA toolkit or nvidia-cuda-nvrtc."""
@@ -194,21 +224,29 @@ class CupyBackend(Backend):
         return k_cache.device
 
     # ------------------------------------------------------------- public ops
+    def prepare(self, plan: Any) -> PreparedIndices:
+        """As :meth:`Backend.prepare`: the plan's arrays, uploaded once per
+        GPU when a kernel there first needs them."""
+        return DeviceIndices(plan)
+
     def write(self, k_cache: Any, v_cache: Any, layer: int, slot_mapping: np.ndarray,
               k: Any, v: Any, *, layout: str | StoreLayout = StoreLayout.NHD,
-              check_indices: bool = True, check_store: bool = True) -> None:
+              check_indices: bool = True, check_store: bool = True,
+              prepared: PreparedIndices | None = None) -> None:
         """As :meth:`Backend.write`; ``k`` and ``v`` may also be host NumPy
         arrays (uploaded) or CUDA arrays of other libraries (used in place)."""
         k, v = self._input(k, "k"), self._input(v, "v")
         with self._on_store_device(k_cache, {"v_cache": v_cache, "k": k, "v": v}):
             super().write(k_cache, v_cache, layer, slot_mapping, k, v, layout=layout,
-                          check_indices=check_indices, check_store=check_store)
+                          check_indices=check_indices, check_store=check_store,
+                          prepared=prepared)
 
     def gather(self, k_cache: Any, v_cache: Any, layer: int, page_table: np.ndarray,
                seq_lens: np.ndarray, *, layout: str | StoreLayout = StoreLayout.NHD,
                out_layout: str | OutputLayout = OutputLayout.BTHD,
                out: tuple[Any, Any] | None = None, num_positions: int | None = None,
-               check_indices: bool = True) -> tuple[Any, Any]:
+               check_indices: bool = True, check_store: bool = True,
+               prepared: PreparedIndices | None = None) -> tuple[Any, Any]:
         """As :meth:`Backend.gather`; ``out`` may also hold CUDA arrays of
         other libraries, written in place (the returned pair views them)."""
         others = {"v_cache": v_cache}
@@ -218,25 +256,30 @@ class CupyBackend(Backend):
         with self._on_store_device(k_cache, others):
             return super().gather(k_cache, v_cache, layer, page_table, seq_lens, layout=layout,
                                   out_layout=out_layout, out=out, num_positions=num_positions,
-                                  check_indices=check_indices)
+                                  check_indices=check_indices, check_store=check_store,
+                                  prepared=prepared)
 
     def write_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                         layer: int, slot_mapping: np.ndarray, k: Any, v: Any, *,
                         layout: str | StoreLayout = StoreLayout.NHD,
-                        check_indices: bool = True) -> None:
+                        check_indices: bool = True, check_store: bool = True,
+                        prepared: PreparedIndices | None = None) -> None:
         """As :meth:`Backend.write_quantized`; ``k`` and ``v`` as in :meth:`write`."""
         k, v = self._input(k, "k"), self._input(v, "v")
         others = {"v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale, "k": k, "v": v}
         with self._on_store_device(k_cache, others):
             super().write_quantized(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping,
-                                    k, v, layout=layout, check_indices=check_indices)
+                                    k, v, layout=layout, check_indices=check_indices,
+                                    check_store=check_store, prepared=prepared)
 
     def gather_quantized(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
                          layer: int, page_table: np.ndarray, seq_lens: np.ndarray, *,
                          layout: str | StoreLayout = StoreLayout.NHD,
                          out_layout: str | OutputLayout = OutputLayout.BTHD,
                          out: tuple[Any, Any] | None = None, num_positions: int | None = None,
-                         dtype: Any = None, check_indices: bool = True) -> tuple[Any, Any]:
+                         dtype: Any = None, check_indices: bool = True,
+                         check_store: bool = True,
+                         prepared: PreparedIndices | None = None) -> tuple[Any, Any]:
         """As :meth:`Backend.gather_quantized`; ``out`` as in :meth:`gather`."""
         others = {"v_cache": v_cache, "k_scale": k_scale, "v_scale": v_scale}
         if isinstance(out, (tuple, list)) and len(out) == 2:
@@ -246,15 +289,15 @@ class CupyBackend(Backend):
             return super().gather_quantized(
                 k_cache, v_cache, k_scale, v_scale, layer, page_table, seq_lens, layout=layout,
                 out_layout=out_layout, out=out, num_positions=num_positions, dtype=dtype,
-                check_indices=check_indices)
+                check_indices=check_indices, check_store=check_store, prepared=prepared)
 
     def copy_pages(self, k_cache: Any, v_cache: Any, src_pages: np.ndarray,
                    dst_pages: np.ndarray, *, layout: str | StoreLayout = StoreLayout.NHD,
-                   check_indices: bool = True) -> None:
+                   check_indices: bool = True, check_store: bool = True) -> None:
         """As :meth:`Backend.copy_pages`."""
         with self._on_store_device(k_cache, {"v_cache": v_cache}):
             super().copy_pages(k_cache, v_cache, src_pages, dst_pages, layout=layout,
-                               check_indices=check_indices)
+                               check_indices=check_indices, check_store=check_store)
 
     # ------------------------------------------------------------------ kernels
     @staticmethod
@@ -272,8 +315,7 @@ class CupyBackend(Backend):
                           (k_layer.data.ptr, v_layer.data.ptr, k.data.ptr, v.data.ptr),
                           row_strides(k.shape, k.strides), row_strides(v.shape, v.strides))
         if plan is not None:
-            slots = cupy.asarray(np.ascontiguousarray(slot_mapping))
-            self._launch(plan, k_layer, v_layer, k, v, slots)
+            self._launch(plan, k_layer, v_layer, k, v, _device_index(slot_mapping))
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
                 layout, out_layout):
@@ -283,9 +325,8 @@ class CupyBackend(Backend):
                            page_table.shape[0], page_table.shape[1], k_out.shape[t_axis],
                            (k_layer.data.ptr, v_layer.data.ptr, k_out.data.ptr, v_out.data.ptr))
         if plan is not None:
-            table = cupy.asarray(np.ascontiguousarray(page_table))
-            lens = cupy.asarray(np.ascontiguousarray(seq_lens))
-            self._launch(plan, k_layer, v_layer, k_out, v_out, table, lens)
+            self._launch(plan, k_layer, v_layer, k_out, v_out, _device_index(page_table),
+                         _device_index(seq_lens))
 
     def _copy_pages(self, k_cache, v_cache, src_pages, dst_pages, layout):
         plan = plan_copy_pages(k_cache.shape, k_cache.dtype.itemsize, src_pages.shape[0],
@@ -305,9 +346,8 @@ class CupyBackend(Backend):
                                     row_strides(k.shape, k.strides),
                                     row_strides(v.shape, v.strides))
         if plan is not None:
-            slots = cupy.asarray(np.ascontiguousarray(slot_mapping))
             self._launch(plan, k_cache[layer], v_cache[layer], k_scale[layer], v_scale[layer],
-                         k, v, slots)
+                         k, v, _device_index(slot_mapping))
 
     def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
                           seq_lens, k_out, v_out, layout, out_layout):
@@ -316,8 +356,6 @@ class CupyBackend(Backend):
                                      page_table.shape[0], page_table.shape[1],
                                      k_out.shape[t_axis], group_size(k_cache.shape[4]))
         if plan is not None:
-            table = cupy.asarray(np.ascontiguousarray(page_table))
-            lens = cupy.asarray(np.ascontiguousarray(seq_lens))
             self._launch(plan, k_cache[layer], v_cache[layer], k_scale[layer], v_scale[layer],
-                         k_out, v_out, table, lens)
+                         k_out, v_out, _device_index(page_table), _device_index(seq_lens))
 

@@ -130,9 +130,6 @@ class NumbaBackend(Backend):
             return "NUMBA_DISABLE_JIT is set, and this backend needs compiled kernels"
         return None
 
-    def _kernel_views(self, k_cache, v_cache):
-        return _typed(k_cache), _typed(v_cache)
-
     def _write(self, k_cache, v_cache, layer, slot_mapping, k, v, layout):
         # Runs once per layer per decode step: a few attribute lookups, and no
         # views at all for float32.
@@ -142,8 +139,7 @@ class NumbaBackend(Backend):
             flags |= _k.STREAM
         if k.itemsize == 2:
             k, v = k.view(_UINT16), v.view(_UINT16)
-            if k_cache.dtype is not _UINT16:   # not already the _kernel_views
-                k_cache, v_cache = k_cache.view(_UINT16), v_cache.view(_UINT16)
+            k_cache, v_cache = k_cache.view(_UINT16), v_cache.view(_UINT16)
         kernel = _k.write_parallel if _parallel(nbytes) else _k.write_serial
         kernel(k_cache, v_cache, layer, slot_mapping, k, v, flags)
 
