@@ -26,15 +26,12 @@ from pagedkv_np.backends import get_backend
 from pagedkv_np.errors import BackendUnavailable
 from pagedkv_np.layout import resolve_dtype
 
-from helpers import bits
+from helpers import CACHE_BACKENDS, bits
 
 # Largest modulus whose integers are exact in each dtype (so values survive the
 # round trip through float16 and bfloat16 unchanged).
 _EXACT = {"float32": 1 << 20, "float16": 1 << 11, "bfloat16": 1 << 8}
 _M64 = (1 << 64) - 1
-
-# The backends built into the package, in the order the tests run over them.
-CACHE_BACKENDS = ("numpy", "numba", "cupy")
 
 
 def _prefix_hashes(tokens, salt) -> np.ndarray:

@@ -26,6 +26,10 @@ import numpy as np
 
 _MASK = (1 << 64) - 1
 
+# The backends built into the package, in the order tests run over them (the
+# ``cache_backend`` fixture of conftest.py, which skips an unavailable one).
+CACHE_BACKENDS = ("numpy", "numba", "cupy")
+
 
 # ----------------------------------------------------------- K/V of a prefix
 def prefix_codes(tokens) -> np.ndarray:

@@ -24,7 +24,7 @@ from pagedkv_np.onnxruntime.requests import RequestStatus, StepEvents
 from pagedkv_np.onnxruntime.sampling import SamplingParams, sample
 from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
 
-from helpers import deep_state
+from helpers import CACHE_BACKENDS, deep_state
 
 FAMILIES = ["optimum", "gqa"]
 PAGE = 4
@@ -493,8 +493,8 @@ def test_an_interrupt_at_any_point_of_a_step_loses_no_request(family, point, whi
 # -------------------------------------- bug 6: every error is a PagedKVError
 
 
-def _cache() -> pk.PagedKVCache:
-    cache = pk.PagedKVCache(1, 8, 4, 1, 2, backend="numpy")
+def _cache(backend) -> pk.PagedKVCache:
+    cache = pk.PagedKVCache(1, 8, 4, 1, 2, backend=backend)
     seq = cache.add_sequence([1, 2, 3])
     cache.extend(seq, [1, 2, 3])
     return cache
@@ -517,10 +517,10 @@ def _ort_calls():
         ("gather-past-int64", lambda d, c, p: c.gather(0, p, num_positions=2**63),
          ConfigError, "num_positions"),
         ("cache-too-large", lambda d, c, p: pk.PagedKVCache(10**4, 10**6, 4, 8, 128,
-                                                             backend="numpy"),
+                                                             backend=c.backend),
          AllocationError, "num_pages"),
         ("cache-past-int64", lambda d, c, p: pk.PagedKVCache(10**9, 10**8, 16, 64, 256,
-                                                              backend="numpy"),
+                                                              backend=c.backend),
          ConfigError, "num_pages"),
         ("model-empty-bytes", lambda d, c, p: OrtDecoder(b""), UnsupportedModelError,
          "model"),
@@ -578,15 +578,33 @@ def _ort_calls():
     ]
 
 
-@pytest.mark.parametrize("name, call, error, names", _ort_calls(),
-                         ids=[c[0] for c in _ort_calls()])
-def test_malformed_calls_raise_a_typed_error_and_change_nothing(name, call, error, names):
+# The calls on the cache (and the cache constructions sized by it) run on each
+# backend; the engine's calls, which do not depend on it, on NumPy only.
+_CACHE_CALLS = ("gather-huge", "gather-past-int64", "cache-too-large", "cache-past-int64",
+                "gather-layer-huge", "write-layer-huge", "gather-positions-negative-huge")
+
+
+def _malformed_params() -> list:
+    params, cases = [], _ort_calls()
+    assert set(_CACHE_CALLS) <= {case[0] for case in cases}
+    for case in cases:
+        if case[0] in _CACHE_CALLS:
+            params += [pytest.param(*case, b, id=f"{case[0]}-{b}") for b in CACHE_BACKENDS]
+        else:
+            params.append(pytest.param(*case, "numpy", id=case[0]))
+    return params
+
+
+@pytest.mark.parametrize("name, call, error, names, cache_backend", _malformed_params(),
+                         indirect=["cache_backend"])
+def test_malformed_calls_raise_a_typed_error_and_change_nothing(name, call, error, names,
+                                                                cache_backend):
     dec = decoder("optimum")
     done = dec.add_request([1, 2, 3], 1)
     dec.add_request([4, 5, 6, 7], 5)
     dec.step()
     assert dec.is_finished(done)
-    cache = _cache()
+    cache = _cache(cache_backend)
     plan = cache.plan(list(cache._live.values()))
     before = (deep_state(dec), deep_state(cache))
     with pytest.raises(PagedKVError) as info:
@@ -596,8 +614,8 @@ def test_malformed_calls_raise_a_typed_error_and_change_nothing(name, call, erro
     assert (deep_state(dec), deep_state(cache)) == before
 
 
-def test_a_huge_int_salt_is_a_salt_of_its_own():
-    cache = pk.PagedKVCache(1, 16, 4, 1, 2, backend="numpy")
+def test_a_huge_int_salt_is_a_salt_of_its_own(cache_backend):
+    cache = pk.PagedKVCache(1, 16, 4, 1, 2, backend=cache_backend)
     for salt in (10**5000, 10**5000 + 1, -(10**5000)):
         seq = cache.add_sequence([1, 2, 3, 4, 5, 6], salt=salt)
         cache.extend(seq, [1, 2, 3, 4, 5, 6])
