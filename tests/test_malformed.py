@@ -36,7 +36,7 @@ from pagedkv_np.errors import (
 from pagedkv_np.pool import PagePool
 from pagedkv_np.prefix import PrefixIndex
 
-from helpers import deep_state
+from helpers import CACHE_BACKENDS, deep_state
 
 try:
     from pagedkv_np.onnxruntime import OrtDecoder, RequestNotFound
@@ -47,9 +47,9 @@ except ImportError:  # the onnx extra is not installed: no OrtDecoder cases
 NUM_LAYERS, NUM_PAGES, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 2, 16, 4, 2, 3
 SECRET = b"malformed-catalogue-secret"
 
-# Backends whose K/V arrays are host NumPy arrays (a device backend would
-# reject the host arrays these cases build before reaching the checks).
-CPU_BACKENDS = [name for name in pk.available_backends() if name in ("numpy", "numba")]
+# Backends whose K/V arrays are host NumPy arrays: the engine runs only on
+# these, and only their arrays have a read-only flag.
+CPU_BACKENDS = ("numpy", "numba")
 
 
 # --------------------------------------------------------------------- world
@@ -117,23 +117,27 @@ class World:
         self.pc_tokens = list(range(100, 112))
         k4 = _kv(12, 6).reshape(1, 12, NUM_KV_HEADS, HEAD_DIM)
         for layer in range(NUM_LAYERS):
-            pc.write(layer, self.pc_table, 0, k4, k4 + 1)
+            pc.write(layer, self.pc_table, 0, self.backend.asarray(k4),
+                     self.backend.asarray(k4 + 1))
         pc.record_page(self.pc_pages[0], self.pc_tokens, 0)
         pc.record_page(self.pc_pages[1], self.pc_tokens, 1)
         self.pc_free_page = NUM_PAGES - 1
         self.view = pc.bind(self.pc_table)
 
-    # Arrays for calls that need a well-formed argument next to a bad one.
+    # Arrays for calls that need a well-formed argument next to a bad one:
+    # K/V rows for PagedKVCache.write and the backend's write are host arrays
+    # (every backend takes them); PagedCache data and ``out`` buffers are
+    # arrays of the backend.
     def rows(self, n: int, dtype=np.float32) -> np.ndarray:
         return np.zeros((n, NUM_KV_HEADS, HEAD_DIM), dtype=dtype)
 
-    def batch(self, b: int, t: int, dtype=np.float32) -> np.ndarray:
-        return np.zeros((b, t, NUM_KV_HEADS, HEAD_DIM), dtype=dtype)
+    def batch(self, b: int, t: int, dtype=np.float32) -> Any:
+        return self.backend.zeros((b, t, NUM_KV_HEADS, HEAD_DIM), np.dtype(dtype))
 
     def out(self, b: int, t: int, dtype=np.float32, layout="BHTD"):
         shape = ((b, NUM_KV_HEADS, t, HEAD_DIM) if layout == "BHTD"
                  else (b, t, NUM_KV_HEADS, HEAD_DIM))
-        return np.zeros(shape, dtype), np.zeros(shape, dtype)
+        return tuple(self.backend.zeros(shape, np.dtype(dtype)) for _ in "kv")
 
     def i32(self, *values) -> np.ndarray:
         return np.array(values, dtype=np.int32)
@@ -205,8 +209,19 @@ class World:
 # ------------------------------------------------------------------ snapshot
 def snapshot(world: World) -> dict:
     """Everything a failed call must leave untouched."""
-    return {name: deep_state(getattr(world, name))
-            for name in ("cache", "other", "released", "pc", "ort") if hasattr(world, name)}
+    state = {name: deep_state(getattr(world, name))
+             for name in ("cache", "other", "released", "pc", "ort") if hasattr(world, name)}
+    # deep_state sees a device array by identity only: the stores' contents
+    # are compared as host copies too.
+    host = world.backend.to_numpy
+    arrays = {"pc": (world.pc.k_cache, world.pc.v_cache)}
+    for name in ("cache", "other"):
+        store = getattr(world, name).store
+        arrays[name] = tuple(x for x in (store.k, store.v, getattr(store, "k_scale", None),
+                                         getattr(store, "v_scale", None)) if x is not None)
+    state["store contents"] = deep_state({name: [host(x) for x in xs]
+                                          for name, xs in arrays.items()})
+    return state
 
 
 def _diff(before, after, path: str = "") -> list[str]:
@@ -228,10 +243,12 @@ class Case:
     names: str                      # the argument the message must name
     prepare: Callable[[World], Any] | None = None   # runs before the snapshot
     dtypes: tuple[str, ...] = ("float32", "int8")   # store dtypes of the worlds it runs in
+    backends: tuple[str, ...] = CACHE_BACKENDS      # backends of the worlds it runs in
 
 
 _F = ("float32",)   # only meaningful for a float store
 _Q = ("int8",)      # only for an int8 store
+_CPU = CPU_BACKENDS  # only for host arrays (a read-only flag), or the engine
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -247,8 +264,8 @@ def _scale_view(w: World, which: str, t: int) -> np.ndarray:
 
 
 def _noncontig_out(w: World, t: int):
-    big = np.zeros((1, NUM_KV_HEADS, 2 * t, HEAD_DIM), np.float32)
-    return big[:, :, ::2], np.zeros((1, NUM_KV_HEADS, t, HEAD_DIM), np.float32)
+    big = w.backend.zeros((1, NUM_KV_HEADS, 2 * t, HEAD_DIM), np.dtype(np.float32))
+    return big[:, :, ::2], w.backend.zeros((1, NUM_KV_HEADS, t, HEAD_DIM), np.dtype(np.float32))
 
 
 C = Case
@@ -349,7 +366,7 @@ CASES: list[Case] = [
       DTypeError, "k"),
     C("be-write-store-read-only",
       lambda w: w.be_write(k_cache=_ro(w.cache.store.k), v_cache=_ro(w.cache.store.v)),
-      ShapeError, "k_cache"),
+      ShapeError, "k_cache", backends=_CPU),
     C("be-write-store-non-contiguous",
       lambda w: w.be_write(k_cache=w.cache.store.k[:, ::2], v_cache=w.cache.store.v[:, ::2]),
       ShapeError, "k_cache"),
@@ -359,8 +376,8 @@ CASES: list[Case] = [
     C("be-write-store-shapes-differ", lambda w: w.be_write(v_cache=w.cache.store.v[:1]),
       ShapeError, "v_cache"),
     C("be-write-store-float64",
-      lambda w: w.be_write(k_cache=np.zeros(w.cache.store.shape),
-                           v_cache=np.zeros(w.cache.store.shape),
+      lambda w: w.be_write(k_cache=w.backend.zeros(w.cache.store.shape, np.dtype(np.float64)),
+                           v_cache=w.backend.zeros(w.cache.store.shape, np.dtype(np.float64)),
                            k=w.rows(1, np.float64), v=w.rows(1, np.float64)),
       DTypeError, "k_cache"),
     C("be-write-k-cache-is-v-cache",
@@ -414,7 +431,7 @@ CASES: list[Case] = [
     C("be-gather-out-read-only",
       lambda w: w.be_gather(out_layout="BHTD",
                             out=tuple(_ro(x) for x in w.out(1, PAGE_SIZE))),
-      ShapeError, "out[0]"),
+      ShapeError, "out[0]", backends=_CPU),
     C("be-gather-out-wrong-dtype",
       lambda w: w.be_gather(out_layout="BHTD", out=w.out(1, PAGE_SIZE, np.float16)),
       DTypeError, "out[0]", dtypes=_F),
@@ -567,7 +584,7 @@ CASES: list[Case] = [
       ShapeError, "out"),
     C("gather-out-read-only",
       lambda w: w.cache.gather(0, w.plan, out=tuple(_ro(x) for x in w.out(2, 10))),
-      ShapeError, "out"),
+      ShapeError, "out", backends=_CPU),
     C("gather-out-wrong-dtype", lambda w: w.cache.gather(0, w.plan, out=w.out(2, 10, np.float64)),
       DTypeError, "out"),
     C("gather-out-shorter-than-sequences", lambda w: w.cache.gather(0, w.plan, out=w.out(2, 9)),
@@ -695,8 +712,8 @@ CASES: list[Case] = [
       DTypeError, "seq_lens"),
 ]
 _O = World.make_ort
-if OrtDecoder is not None:
-    CASES += [
+if OrtDecoder is not None:   # the engine's cases, on the backends it runs on
+    CASES += [dataclasses.replace(c, backends=_CPU) for c in [
         C("ort-model-int", lambda w: OrtDecoder(42), DTypeError, "model"),
         C("ort-model-missing-file", lambda w: OrtDecoder("/nonexistent/model.onnx"),
           ConfigError, "model"),
@@ -738,7 +755,7 @@ if OrtDecoder is not None:
         C("ort-pop-output-unfinished", lambda w: w.ort.pop_output(w.ort_running),
           ConfigError, "request_id", _O),
         C("ort-abort-unknown", lambda w: w.ort.abort(999), RequestNotFound, "request_id", _O),
-    ]
+    ]]
 NUM_CASES = len(CASES)
 
 
@@ -747,21 +764,23 @@ def _ids() -> list[str]:
 
 
 STORE_DTYPES = ["float32", "int8"]
-CASE_PARAMS = [pytest.param(c, d, id=f"{c.id}-{d}") for c in CASES for d in c.dtypes]
+# (case, store dtype, backend); the backend goes to the cache_backend fixture,
+# which skips one that is unavailable here
+CASE_PARAMS = [pytest.param(c, d, b, id=f"{c.id}-{d}-{b}")
+               for c in CASES for d in c.dtypes for b in c.backends]
 
 
 def test_catalogue_is_large_and_ids_are_unique():
-    print(f"\nmalformed-call catalogue: {NUM_CASES} cases x {len(CPU_BACKENDS)} backend(s) "
-          f"{CPU_BACKENDS}")
+    print(f"\nmalformed-call catalogue: {NUM_CASES} cases x backends {CACHE_BACKENDS} "
+          f"({pk.available_backends()} here)")
     assert NUM_CASES >= 60
     assert len(set(_ids())) == NUM_CASES
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("case, dtype", CASE_PARAMS)
+@pytest.mark.parametrize("case, dtype, cache_backend", CASE_PARAMS, indirect=["cache_backend"])
 def test_malformed_call_raises_typed_error_and_changes_nothing(case: Case, dtype: str,
-                                                               backend: str):
-    world = World(backend, dtype)
+                                                               cache_backend: str):
+    world = World(cache_backend, dtype)
     if case.prepare is not None:
         case.prepare(world)
     world.cache.check_invariants()
@@ -783,14 +802,15 @@ def test_malformed_call_raises_typed_error_and_changes_nothing(case: Case, dtype
 
 
 @pytest.mark.parametrize("dtype", STORE_DTYPES)
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_world_is_usable_after_every_failure(backend: str, dtype: str):
+def test_world_is_usable_after_every_failure(cache_backend: str, dtype: str):
     """One world takes every failing call in a row and still serves correct data."""
-    world = World(backend, dtype)
-    expected_k, expected_v = world.cache.gather(0, world.plan)
+    world = World(cache_backend, dtype)
+    host = world.backend.to_numpy
+    expected_k, expected_v = map(host, world.cache.gather(0, world.plan))
     num_failed = 0
     for case in CASES:
-        if case.prepare is not None or dtype not in case.dtypes:
+        if (case.prepare is not None or dtype not in case.dtypes
+                or cache_backend not in case.backends):
             continue
         try:
             case.call(world)
@@ -799,7 +819,7 @@ def test_world_is_usable_after_every_failure(backend: str, dtype: str):
         except Exception:  # reported per case by the parametrized test
             pass
     world.cache.check_invariants()
-    k, v = world.cache.gather(0, world.plan)
+    k, v = map(host, world.cache.gather(0, world.plan))
     assert np.array_equal(k.view(np.uint32), expected_k.view(np.uint32))
     assert np.array_equal(v.view(np.uint32), expected_v.view(np.uint32))
     assert num_failed >= 60
@@ -807,9 +827,9 @@ def test_world_is_usable_after_every_failure(backend: str, dtype: str):
 
 @pytest.mark.parametrize("change", ["store-byte", "lru-order", "index-counter", "seq-tokens",
                                     "compat-counter", "pool-ref"])
-def test_snapshot_sees_every_kind_of_change(change: str):
+def test_snapshot_sees_every_kind_of_change(change: str, cache_backend: str):
     """The snapshot the catalogue relies on notices a change of each kind."""
-    world = World(CPU_BACKENDS[0])
+    world = World(cache_backend)
     before = snapshot(world)
     if change == "store-byte":
         world.cache.store.v[1, world.free_page, 0, 0, 0] += 1
