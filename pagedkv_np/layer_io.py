@@ -13,14 +13,13 @@ already: the store is the one it was made with and checked then
 
 from __future__ import annotations
 
-import numbers
 import sys
 from typing import Any
 
 from .backends import Backend
 from .backends.prepared import PreparedIndices
-from .errors import AllocationError, ConfigError, DTypeError, PagedKVError, PageIdError, ShapeError
-from .layout import resolve_dtype, shown
+from .errors import AllocationError, ConfigError, DTypeError, PagedKVError, ShapeError
+from .layout import check_index, is_int, resolve_dtype, shown
 from .plan import Plan
 from .store import KVStore
 
@@ -45,13 +44,7 @@ class LayerIO:
 
     def layer_id(self, layer: Any) -> int:
         """``layer`` as an index of the store's layers, else a typed error."""
-        num_layers = self.store.num_layers
-        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-            raise DTypeError(f"Invalid layer: expected an integer, got {type(layer).__name__}")
-        if not 0 <= int(layer) < num_layers:
-            raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, "
-                              f"got {shown(layer)}")
-        return int(layer)
+        return check_index(layer, "layer", self.store.num_layers)
 
     def write(self, layer: int, plan: Plan, k: Any, v: Any,
               prepared: PreparedIndices | None) -> None:
@@ -87,7 +80,7 @@ class LayerIO:
     def _check_gather_size(self, plan: Plan, num_positions: Any) -> None:
         """Refuse output buffers whose size no allocator can take (the
         backend checks the type and lower bound of ``num_positions``)."""
-        if not isinstance(num_positions, numbers.Integral) or isinstance(num_positions, bool):
+        if not is_int(num_positions):
             return
         max_len = int(plan.seq_lens.max()) if plan.num_seqs else 0
         if int(num_positions) < max_len:

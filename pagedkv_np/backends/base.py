@@ -1,8 +1,5 @@
 """The interface every array backend implements, with its input checks.
 
-(One interface: its float and int8 operations share their checks; most of
-its length is their numpydoc.)
-
 A backend is a set of stateless operations over the K/V store arrays and
 int32 index arrays. :class:`Backend` holds the public, validating methods;
 a concrete backend implements only the private ``_write``, ``_gather`` and
@@ -31,15 +28,15 @@ checked itself, once per step; everyone else should leave the checks on.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
-from ..errors import DTypeError, PageIdError, ShapeError
-from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, describe,
+from ..errors import DTypeError, ShapeError
+from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, check_index,
                       resolve_dtype)
-from ..quant import QUANT_DTYPES, group_size
+from .array_checks import (SCALE_DTYPE, STORE_DTYPES, check_kv_store, check_quant_store,
+                           gather_outputs)
 from .checks import (CACHE_LINE, aligned_array, check_page_pairs, check_page_table,
                      check_slot_mapping)
 from .prepared import PreparedIndices
@@ -48,19 +45,6 @@ __all__ = ["Backend", "PreparedIndices", "INDEX_DTYPE", "CACHE_LINE", "aligned_a
            "check_slot_mapping", "check_page_table", "check_page_pairs"]
 
 INDEX_DTYPE = np.dtype(np.int32)
-_STORE_DTYPES = frozenset(SUPPORTED_DTYPES.values())
-_CODE_DTYPES = frozenset(fmt.code_dtype for fmt in QUANT_DTYPES.values())
-_SCALE_DTYPE = QUANT_DTYPES["int8"].scale_dtype
-
-
-def _check_layer(layer: Any, num_layers: int) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):
-        raise DTypeError(f"Invalid layer: expected an integer, got {type(layer).__name__}")
-    # compared as an int: the numbers.Integral ABC declares no ordering against int
-    layer_id = int(layer)
-    if not 0 <= layer_id < num_layers:
-        raise PageIdError(f"Invalid layer: expected 0 <= layer < {num_layers}, got {layer}")
-    return layer_id
 
 
 class Backend:
@@ -94,27 +78,11 @@ class Backend:
         return np.asarray(x)
 
     @staticmethod
-    def _may_share_memory(a: Any, b: Any) -> bool:
+    def may_share_memory(a: Any, b: Any) -> bool:
         """Whether two arrays' memory ranges overlap (a cheap bounds test)."""
         return np.may_share_memory(a, b)
 
     # ------------------------------------------------------------------ checks
-    def _check_store(self, k_cache: Any, v_cache: Any, layout: StoreLayout,
-                     codes: bool = False) -> tuple:
-        check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
-                    contiguous=True, writeable=True)
-        if k_cache.dtype not in _STORE_DTYPES and not (codes and k_cache.dtype in _CODE_DTYPES):
-            expected = sorted(SUPPORTED_DTYPES) + (sorted(QUANT_DTYPES) if codes else [])
-            hint = ("; an int8 store is written and gathered with write_quantized and "
-                    "gather_quantized" if k_cache.dtype in _CODE_DTYPES else "")
-            raise DTypeError(f"Invalid dtype of k_cache: expected one of "
-                             f"{expected}, got {k_cache.dtype}{hint}")
-        check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
-                    array_type=self.array_types, contiguous=True, writeable=True)
-        if self._may_share_memory(k_cache, v_cache):
-            raise ShapeError("Invalid v_cache: it shares memory with k_cache")
-        return _store_dims(k_cache.shape, layout)
-
     @staticmethod
     def _check_index(x: Any, name: str, ndim: int) -> None:
         check_array(x, name, ndim=ndim, dtype=INDEX_DTYPE)
@@ -126,7 +94,7 @@ class Backend:
         interleave without touching)."""
         for name, x in zip(("k", "v"), sources):
             for store in stores:
-                if self._may_share_memory(x, store):
+                if self.may_share_memory(x, store):
                     raise ShapeError(f"Invalid {name}: it shares memory with the store; "
                                      f"pass a copy")
 
@@ -194,12 +162,12 @@ class Backend:
         """
         layout = StoreLayout.parse(layout)
         if check_store:
-            dims = self._check_store(k_cache, v_cache, layout)
+            dims = check_kv_store(self, k_cache, v_cache, layout)
         else:
-            dims = _store_dims(k_cache.shape, layout)
+            dims = layout.dims(k_cache.shape)
         num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         if type(layer) is not int or not 0 <= layer < num_layers:
-            layer = _check_layer(layer, num_layers)
+            layer = check_index(layer, "layer", num_layers)
         self._check_index(slot_mapping, "slot_mapping", 1)
         n = slot_mapping.shape[0]
         for name, x in (("k", k), ("v", v)):
@@ -256,16 +224,15 @@ class Backend:
         layout = StoreLayout.parse(layout)
         out_layout = OutputLayout.parse(out_layout, "out_layout")
         if check_store:
-            dims = self._check_store(k_cache, v_cache, layout)
+            dims = check_kv_store(self, k_cache, v_cache, layout)
         else:
-            dims = _store_dims(k_cache.shape, layout)
+            dims = layout.dims(k_cache.shape)
         num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
-        layer = _check_layer(layer, num_layers)
+        layer = check_index(layer, "layer", num_layers)
         self._check_gather_indices(page_table, seq_lens, num_pages, page_size, check_indices)
         num_seqs = page_table.shape[0]
-        k_out, v_out = self._gather_outputs(out, out_layout, num_seqs, seq_lens, num_kv_heads,
-                                            head_dim, k_cache.dtype, num_positions,
-                                            (k_cache, v_cache))
+        k_out, v_out = gather_outputs(self, out, out_layout, seq_lens, num_kv_heads, head_dim,
+                                      k_cache.dtype, num_positions, (k_cache, v_cache))
         if num_seqs:
             self._gather(k_cache, v_cache, layer, self._kernel_indices(prepared, page_table),
                          self._kernel_indices(prepared, seq_lens), k_out, v_out,
@@ -278,50 +245,6 @@ class Backend:
         check_array(seq_lens, "seq_lens", shape=(page_table.shape[0],), dtype=INDEX_DTYPE)
         if check_indices:
             check_page_table(page_table, seq_lens, num_pages, page_size)
-
-    def _gather_outputs(self, out: Any, out_layout: OutputLayout, num_seqs: int,
-                        seq_lens: np.ndarray, num_kv_heads: int, head_dim: int,
-                        dtype: Any, num_positions: Any, stores: tuple) -> tuple[Any, Any]:
-        """The checked ``out`` pair of a gather, or a new one of ``dtype``
-        (any dtype for an ``out`` given when ``dtype`` is None)."""
-        max_len = int(seq_lens.max()) if num_seqs else 0
-        if out is None:
-            if num_positions is None:
-                num_positions = max_len
-            elif isinstance(num_positions, bool) or not isinstance(num_positions, numbers.Integral):
-                raise DTypeError("Invalid num_positions: expected an integer")
-            if num_positions < max_len:
-                raise ShapeError(
-                    f"Invalid num_positions: expected >= max(seq_lens) = {max_len}, "
-                    f"got {num_positions}")
-            shape = _out_shape(out_layout, num_seqs, int(num_positions), num_kv_heads, head_dim)
-            return self.empty(shape, dtype), self.empty(shape, dtype)
-        else:
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise DTypeError(f"Invalid out: expected a (k, v) pair, got {describe(out)}")
-            k_out, v_out = out
-            t_axis = 1 if out_layout is OutputLayout.BTHD else 2
-            check_array(k_out, "out[0]", ndim=4, array_type=self.array_types)
-            num_out = k_out.shape[t_axis]
-            shape = _out_shape(out_layout, num_seqs, num_out, num_kv_heads, head_dim)
-            if dtype is None:
-                if getattr(k_out, "dtype", None) not in _STORE_DTYPES:
-                    raise DTypeError(f"Invalid dtype of out[0]: expected one of "
-                                     f"{sorted(SUPPORTED_DTYPES)}, got {k_out.dtype}")
-                dtype = k_out.dtype
-            for name, x in (("out[0]", k_out), ("out[1]", v_out)):
-                check_array(x, name, shape=shape, dtype=dtype,
-                            array_type=self.array_types, contiguous=True, writeable=True)
-            if num_out < max_len:
-                raise ShapeError(
-                    f"Invalid shape of out[0]: T = {num_out} is shorter than "
-                    f"max(seq_lens) = {max_len}")
-            if self._may_share_memory(k_out, v_out):
-                raise ShapeError("Invalid out: out[0] and out[1] share memory")
-            for name, x in (("out[0]", k_out), ("out[1]", v_out)):
-                if any(self._may_share_memory(x, store) for store in stores):
-                    raise ShapeError(f"Invalid {name}: it shares memory with the store")
-        return k_out, v_out
 
     def copy_pages(
         self,
@@ -345,7 +268,7 @@ class Backend:
         """
         layout = StoreLayout.parse(layout)
         if check_store:
-            self._check_store(k_cache, v_cache, layout, codes=True)
+            check_kv_store(self, k_cache, v_cache, layout, codes=True)
         num_pages = k_cache.shape[1]
         self._check_index(src_pages, "src_pages", 1)
         check_array(dst_pages, "dst_pages", shape=src_pages.shape, dtype=INDEX_DTYPE)
@@ -355,30 +278,6 @@ class Backend:
             self._copy_pages(k_cache, v_cache, src_pages, dst_pages, layout)
 
     # --------------------------------------------------------- int8 stores
-    def _check_quant_store(self, k_cache: Any, v_cache: Any, k_scale: Any, v_scale: Any,
-                           layout: StoreLayout) -> tuple:
-        """Check int8 codes and their float32 scales (see :mod:`pagedkv_np.quant`)."""
-        check_array(k_cache, "k_cache", ndim=5, array_type=self.array_types,
-                    contiguous=True, writeable=True)
-        if k_cache.dtype not in _CODE_DTYPES:
-            raise DTypeError(f"Invalid dtype of k_cache: expected one of {sorted(QUANT_DTYPES)}, "
-                             f"got {k_cache.dtype}")
-        check_array(v_cache, "v_cache", shape=k_cache.shape, dtype=k_cache.dtype,
-                    array_type=self.array_types, contiguous=True, writeable=True)
-        dims = _store_dims(k_cache.shape, layout)
-        head_dim = dims[4]
-        scale_shape = (*k_cache.shape[:4], head_dim // group_size(head_dim))
-        for name, x in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check_array(x, name, shape=scale_shape, dtype=_SCALE_DTYPE,
-                        array_type=self.array_types, contiguous=True, writeable=True)
-        arrays = (("k_cache", k_cache), ("v_cache", v_cache), ("k_scale", k_scale),
-                  ("v_scale", v_scale))
-        for i, (name, x) in enumerate(arrays):
-            for other, y in arrays[:i]:
-                if self._may_share_memory(x, y):
-                    raise ShapeError(f"Invalid {name}: it shares memory with {other}")
-        return dims
-
     def write_quantized(
         self,
         k_cache: Any,
@@ -413,16 +312,16 @@ class Backend:
         """
         layout = StoreLayout.parse(layout)
         if check_store:
-            dims = self._check_quant_store(k_cache, v_cache, k_scale, v_scale, layout)
+            dims = check_quant_store(self, k_cache, v_cache, k_scale, v_scale, layout)
         else:
-            dims = _store_dims(k_cache.shape, layout)
+            dims = layout.dims(k_cache.shape)
         num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         if type(layer) is not int or not 0 <= layer < num_layers:
-            layer = _check_layer(layer, num_layers)
+            layer = check_index(layer, "layer", num_layers)
         self._check_index(slot_mapping, "slot_mapping", 1)
         n = slot_mapping.shape[0]
         check_array(k, "k", shape=(n, num_kv_heads, head_dim), array_type=self.array_types)
-        if k.dtype not in _STORE_DTYPES:
+        if k.dtype not in STORE_DTYPES:
             raise DTypeError(f"Invalid dtype of k: expected one of {sorted(SUPPORTED_DTYPES)}, "
                              f"got {k.dtype}")
         check_array(v, "v", shape=k.shape, dtype=k.dtype, array_type=self.array_types)
@@ -473,20 +372,19 @@ class Backend:
         layout = StoreLayout.parse(layout)
         out_layout = OutputLayout.parse(out_layout, "out_layout")
         if check_store:
-            dims = self._check_quant_store(k_cache, v_cache, k_scale, v_scale, layout)
+            dims = check_quant_store(self, k_cache, v_cache, k_scale, v_scale, layout)
         else:
-            dims = _store_dims(k_cache.shape, layout)
+            dims = layout.dims(k_cache.shape)
         num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
-        layer = _check_layer(layer, num_layers)
+        layer = check_index(layer, "layer", num_layers)
         self._check_gather_indices(page_table, seq_lens, num_pages, page_size, check_indices)
         num_seqs = page_table.shape[0]
         if dtype is not None:
             dtype = resolve_dtype(dtype)
         elif out is None:
-            dtype = _SCALE_DTYPE
-        k_out, v_out = self._gather_outputs(out, out_layout, num_seqs, seq_lens, num_kv_heads,
-                                            head_dim, dtype, num_positions,
-                                            (k_cache, v_cache, k_scale, v_scale))
+            dtype = SCALE_DTYPE
+        k_out, v_out = gather_outputs(self, out, out_layout, seq_lens, num_kv_heads, head_dim,
+                                      dtype, num_positions, (k_cache, v_cache, k_scale, v_scale))
         if num_seqs:
             self._gather_quantized(k_cache, v_cache, k_scale, v_scale, layer,
                                    self._kernel_indices(prepared, page_table),
@@ -522,20 +420,3 @@ class Backend:
 
     def __repr__(self) -> str:
         return f"<pagedkv_np backend {self.name!r}>"
-
-
-def _store_dims(shape: tuple, layout: StoreLayout) -> tuple[int, int, int, int, int]:
-    """(num_layers, num_pages, page_size, num_kv_heads, head_dim) of a store."""
-    num_layers, num_pages, a, b, head_dim = shape
-    page_size, num_kv_heads = (a, b) if layout is StoreLayout.NHD else (b, a)
-    return num_layers, num_pages, page_size, num_kv_heads, head_dim
-
-
-def _out_shape(out_layout: OutputLayout, num_seqs: int, num_positions: int,
-               num_kv_heads: int, head_dim: int) -> tuple[int, int, int, int]:
-    if out_layout is OutputLayout.BTHD:
-        return (num_seqs, num_positions, num_kv_heads, head_dim)
-    return (num_seqs, num_kv_heads, num_positions, head_dim)
-
-
-

@@ -128,7 +128,7 @@ class CupyBackend(Backend):
             raise BackendUnavailable(f"backend 'cupy' is unavailable: {reason}")
 
     @staticmethod
-    def _may_share_memory(a: Any, b: Any) -> bool:
+    def may_share_memory(a: Any, b: Any) -> bool:
         return cupy.may_share_memory(a, b)
 
     # ----------------------------------------------------------- array helpers
@@ -319,10 +319,10 @@ class CupyBackend(Backend):
 
     def _gather(self, k_cache, v_cache, layer, page_table, seq_lens, k_out, v_out,
                 layout, out_layout):
-        t_axis = 1 if out_layout is OutputLayout.BTHD else 2
         k_layer, v_layer = k_cache[layer], v_cache[layer]
         plan = plan_gather(layout, out_layout, k_cache.shape, k_cache.dtype.itemsize,
-                           page_table.shape[0], page_table.shape[1], k_out.shape[t_axis],
+                           page_table.shape[0], page_table.shape[1],
+                           out_layout.num_positions(k_out.shape),
                            (k_layer.data.ptr, v_layer.data.ptr, k_out.data.ptr, v_out.data.ptr))
         if plan is not None:
             self._launch(plan, k_layer, v_layer, k_out, v_out, _device_index(page_table),
@@ -351,10 +351,10 @@ class CupyBackend(Backend):
 
     def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
                           seq_lens, k_out, v_out, layout, out_layout):
-        t_axis = 1 if out_layout is OutputLayout.BTHD else 2
         plan = plan_gather_quantized(layout, out_layout, k_cache.shape, k_out.dtype,
                                      page_table.shape[0], page_table.shape[1],
-                                     k_out.shape[t_axis], group_size(k_cache.shape[4]))
+                                     out_layout.num_positions(k_out.shape),
+                                     group_size(k_cache.shape[4]))
         if plan is not None:
             self._launch(plan, k_cache[layer], v_cache[layer], k_scale[layer], v_scale[layer],
                          k_out, v_out, _device_index(page_table), _device_index(seq_lens))

@@ -159,17 +159,20 @@ class NumbaBackend(Backend):
     def _write_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k, v,
                          layout):
         (k_bits, kind), (v_bits, _) = _bits_and_kind(k), _bits_and_kind(v)
-        kernel = _q.write_q_parallel if _parallel(2 * k.nbytes) else _q.write_q_serial
+        nbytes = 2 * k.nbytes
+        kernel = _q.write_q_parallel if _parallel(nbytes) else _q.write_q_serial
         kernel(k_cache, v_cache, k_scale, v_scale, layer, slot_mapping, k_bits, v_bits, kind,
-               layout is StoreLayout.HND, group_size(k_cache.shape[4]))
+               layout is StoreLayout.HND, group_size(k_cache.shape[4]),
+               nbytes >= WRITE_STREAM_MIN_BYTES)
 
     def _gather_quantized(self, k_cache, v_cache, k_scale, v_scale, layer, page_table,
                           seq_lens, k_out, v_out, layout, out_layout):
         (k_bits, kind), (v_bits, _) = _bits_and_kind(k_out), _bits_and_kind(v_out)
-        kernel = _q.gather_q_parallel if _parallel(2 * k_out.nbytes) else _q.gather_q_serial
+        nbytes = 2 * k_out.nbytes
+        kernel = _q.gather_q_parallel if _parallel(nbytes) else _q.gather_q_serial
         kernel(k_cache, v_cache, k_scale, v_scale, layer, page_table, seq_lens, k_bits, v_bits,
                kind, layout is StoreLayout.HND, out_layout is OutputLayout.BHTD,
-               group_size(k_cache.shape[4]))
+               group_size(k_cache.shape[4]), nbytes >= STREAM_MIN_BYTES)
 
     def warmup_quantized(self, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run the int8 store's kernels once on tiny arrays: serial and
@@ -177,15 +180,13 @@ class NumbaBackend(Backend):
         from ..layout import SUPPORTED_DTYPES
 
         num_pages, page_size, num_heads, head_dim = 4, 2, 2, 32
-        shape = ((1, num_pages, page_size, num_heads, head_dim) if layout is StoreLayout.NHD
-                 else (1, num_pages, num_heads, page_size, head_dim))
+        shape = layout.shape(1, num_pages, page_size, num_heads, head_dim)
         codes = np.zeros(shape, np.int8)
         scales = np.zeros((*shape[:4], 1), np.float32)
         slots = np.arange(3, dtype=np.int32)
         page_table = np.array([[0, 1]], dtype=np.int32)
         seq_lens = np.array([3], dtype=np.int32)
-        out_shape = ((1, 4, num_heads, head_dim) if out_layout is OutputLayout.BTHD
-                     else (1, num_heads, 4, head_dim))
+        out_shape = out_layout.shape(1, 4, num_heads, head_dim)
         hnd, bhtd = layout is StoreLayout.HND, out_layout is OutputLayout.BHTD
         for dtype in SUPPORTED_DTYPES.values():
             contiguous = np.zeros((3, num_heads, head_dim), dtype)
@@ -194,11 +195,11 @@ class NumbaBackend(Backend):
                 bits, kind = _bits_and_kind(x)
                 for write in (_q.write_q_serial, _q.write_q_parallel):
                     write(codes, codes.copy(), scales, scales.copy(), 0, slots, bits, bits,
-                          kind, hnd, head_dim)
+                          kind, hnd, head_dim, True)
             out, kind = _bits_and_kind(np.zeros(out_shape, dtype))
             for gather in (_q.gather_q_serial, _q.gather_q_parallel):
                 gather(codes, codes, scales, scales, 0, page_table, seq_lens, out, out.copy(),
-                       kind, hnd, bhtd, head_dim)
+                       kind, hnd, bhtd, head_dim, False)
 
     def warmup(self, dtype: np.dtype, layout: StoreLayout, out_layout: OutputLayout) -> None:
         """Run every kernel once on tiny arrays of ``dtype``, compiling each
@@ -206,8 +207,7 @@ class NumbaBackend(Backend):
         ``k``/``v``."""
         dtype = np.dtype(dtype)
         num_pages, page_size, num_heads, head_dim = 4, 2, 2, 8
-        shape = ((1, num_pages, page_size, num_heads, head_dim) if layout is StoreLayout.NHD
-                 else (1, num_pages, num_heads, page_size, head_dim))
+        shape = layout.shape(1, num_pages, page_size, num_heads, head_dim)
         k_cache, v_cache = (_typed(np.zeros(shape, dtype)) for _ in range(2))
         slots = np.arange(3, dtype=np.int32)
         heads_first = np.zeros((num_heads, 3, head_dim), dtype)
@@ -215,8 +215,7 @@ class NumbaBackend(Backend):
                   np.zeros((3, num_heads, head_dim), dtype))
         page_table = np.array([[0, 1]], dtype=np.int32)
         seq_lens = np.array([3], dtype=np.int32)
-        out_shape = ((1, 4, num_heads, head_dim) if out_layout is OutputLayout.BTHD
-                     else (1, num_heads, 4, head_dim))
+        out_shape = out_layout.shape(1, 4, num_heads, head_dim)
         k_out, v_out = (_typed(np.zeros(out_shape, dtype)) for _ in range(2))
         src_pages, dst_pages = np.array([0], np.int32), np.array([2], np.int32)
         flags = _flags(0, layout, out_layout)
