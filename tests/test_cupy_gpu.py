@@ -519,6 +519,43 @@ def test_emulated_backend_through_the_cache(emulated_backend, monkeypatch, dtype
     assert_same_bits(got[0], got[1])
 
 
+@pytest.mark.parametrize("family", ["optimum", "gqa"])
+def test_emulated_backend_serves_an_ort_decoder(emulated_backend, family):
+    """OrtDecoder on the CuPy backend: onnxruntime's host K/V go up to the
+    pages, gathered pasts come back down, and greedy tokens equal those of
+    the same engine on the NumPy backend and of a full recompute."""
+    import onnxruntime as ort
+    from pagedkv_np.onnxruntime import OrtDecoder
+    from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+
+    config = DecoderConfig()
+    model = build_model(config, family=family).SerializeToString()
+    rng = np.random.default_rng(5)
+    system = rng.integers(0, config.vocab_size, 20).tolist()
+    prompts = [system + rng.integers(0, config.vocab_size, n).tolist() for n in (3, 9, 0)]
+    outs = {}
+    for name, backend in (("cupy", emulated_backend), ("numpy", "numpy")):
+        dec = OrtDecoder(model, num_pages=64, page_size=8, max_batch_size=2, backend=backend)
+        outs[name] = dec.generate(prompts, max_new_tokens=12)
+        if name == "cupy":
+            assert isinstance(dec.cache.k_cache, FakeDeviceArray)
+            assert dec.stats["prefix_hit_tokens"] >= 16   # the shared pages were gathered
+    assert outs["cupy"] == outs["numpy"]
+    sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    tokens = list(prompts[1])
+    for want in outs["cupy"][1]:
+        n = len(tokens)
+        feeds = {"input_ids": np.array([tokens], np.int64),
+                 "attention_mask": np.ones((1, n), np.int64)}
+        for arg in sess.get_inputs():
+            if arg.name == "position_ids":
+                feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
+            elif arg.name.startswith("past_key_values."):
+                feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        assert int(np.argmax(sess.run(["logits"], feeds)[0][0, -1])) == want
+        tokens.append(want)
+
+
 # ------------------------------------------------- int8 stores, on the CPU
 class QCase(Case):
     """:class:`Case` with an int8 store (random codes, scales over the whole
