@@ -32,12 +32,12 @@ default model is SmolLM2-135M-Instruct, whose GGUF file ships in the
 from __future__ import annotations
 
 import importlib.util
-import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError, DTypeError, PagedKVError
+from ..layout import is_int
 from .text import MissingModelFile, ModelFolderError, TextCodec, read_json_object
 
 try:
@@ -125,7 +125,7 @@ def default_model_path() -> str:
 
 
 def _positive(value: Any, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+    if not is_int(value) or value <= 0:
         raise ModelFolderError(f"Invalid model folder: {where} is {value!r}, "
                                "not a positive integer")
     return int(value)
@@ -157,8 +157,7 @@ def _eos_ids(sources: list[tuple[str, dict, str]], codec: TextCodec) -> tuple[in
         if value is None:
             continue
         items = value if isinstance(value, list) else [value]
-        if not items or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool)
-                                and int(v) >= 0 for v in items):
+        if not items or not all(is_int(v) and int(v) >= 0 for v in items):
             raise ModelFolderError(f"Invalid model folder: {filename} {key} is {value!r}; "
                                    "expected a token id or a list of token ids")
         return tuple(int(v) for v in items)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PagedKVError
+from ..layout import is_int
 
 __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
            "usage_json", "chat_response", "completion_response", "chat_chunk",
@@ -127,7 +128,7 @@ def _int(body: dict, name: str, default: int | None) -> int | None:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         # JSON has one number type: 3.0 is an integer to most clients
         if isinstance(value, float) and value.is_integer():
             return int(value)
@@ -301,7 +302,7 @@ def parse_completion(body: dict) -> GenerationRequest:
             raise _value_error("prompt", "expected a non-empty prompt")
         return _common(body, "completion", None, prompt)
     if not isinstance(prompt, list) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            is_int(t) for t in prompt):
         raise _type_error("prompt", "a string or an array of token ids", prompt)
     if not prompt:
         raise _value_error("prompt", "expected a non-empty prompt")
