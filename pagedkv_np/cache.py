@@ -1,7 +1,6 @@
 """PagedKVCache: sequences over the page pool, the prefix index and the store.
 
-This is the one module that composes the others (its length, a little over
-450 lines, is mostly the numpydoc of its public methods). A generation loop uses it
+This is the one module that composes the others. A generation loop uses it
 like this (one step of a batch)::
 
     seq = cache.add_sequence(prompt)          # takes the cached prefix's pages
@@ -37,6 +36,7 @@ from .backends import Backend, get_backend
 from .cache_stats import CacheStats
 from .errors import ConfigError, DTypeError, OutOfPages, ShapeError, StalePlanError
 from .layout import OutputLayout, StoreLayout, check_nonneg_int
+from .invariants import check_cache_invariants
 from .layer_io import LayerIO
 from .plan import LIST_MAX_ENTRIES, Plan, build_plan
 from .plan_state import PlanState, PlanTable
@@ -52,9 +52,6 @@ from .tokens import as_tokens
 __all__ = ["PagedKVCache", "Sequence", "CacheStats"]
 
 _owner_ids = itertools.count(1)
-
-# The store layout that a gather into each output layout reads in whole runs.
-_MATCHING_STORE = {OutputLayout.BHTD: StoreLayout.HND, OutputLayout.BTHD: StoreLayout.NHD}
 
 
 class PagedKVCache:
@@ -122,7 +119,7 @@ class PagedKVCache:
         self.backend = get_backend(backend)
         self.gather_layout = OutputLayout.parse(gather_layout, "gather_layout")
         if layout is None:
-            layout = _MATCHING_STORE[self.gather_layout]
+            layout = self.gather_layout.store_layout
         self.store = KVStore(num_layers, page_size, num_kv_heads, head_dim,
                              num_pages=num_pages, memory_bytes=memory_bytes,
                              dtype=dtype, layout=layout, backend=self.backend)
@@ -455,19 +452,7 @@ class PagedKVCache:
     def check_invariants(self) -> None:
         """Raise AssertionError if pool, index and sequences disagree (O(n))."""
         with self._lock:
-            self.pool.check_invariants()
-            self.index.check_invariants()
-            refs = [0] * self.num_pages
-            for seq in self._live.values():
-                seq.check_invariants(self.page_size)
-                for page_id in seq.page_list():
-                    refs[page_id] += 1
-            for page_id in range(self.num_pages):
-                assert refs[page_id] <= self.pool.ref_count(page_id), (
-                    f"page {page_id}: sequences hold {refs[page_id]} refs, "
-                    f"pool counts {self.pool.ref_count(page_id)}")
-                if page_id in self.index:
-                    assert self.pool.is_cached(page_id), f"page {page_id} indexed but not cached"
+            check_cache_invariants(self.pool, self.index, self._live.values(), self.page_size)
 
     def __repr__(self) -> str:
         return (f"PagedKVCache(layers={self.num_layers}, pages={self.num_pages}, "

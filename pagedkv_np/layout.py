@@ -164,6 +164,13 @@ class OutputLayout(_Layout):
         """The number of positions of a 4-D output ``shape`` in this layout."""
         return shape[1 if self is OutputLayout.BTHD else 2]
 
+    @property
+    def store_layout(self) -> StoreLayout:
+        """The store layout that a gather into this layout reads in whole
+        runs: NHD for BTHD, HND for BHTD (the other pairings transpose every
+        page they gather)."""
+        return StoreLayout.NHD if self is OutputLayout.BTHD else StoreLayout.HND
+
 
 SUPPORTED_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype(np.float32),

@@ -257,3 +257,14 @@ def test_check_nonneg_int():
 def test_describe():
     assert describe(np.zeros((2, 3), np.float16)) == "ndarray of shape [2, 3] and dtype float16"
     assert describe([1]) == "list"
+
+
+def test_each_output_layout_names_the_store_layout_it_reads_in_runs():
+    from pagedkv_np.layout import OutputLayout, StoreLayout
+    assert OutputLayout.BTHD.store_layout is StoreLayout.NHD
+    assert OutputLayout.BHTD.store_layout is StoreLayout.HND
+    # a page of the matching store and a sequence's rows of the output share
+    # their innermost axes order: (offset, head) for NHD/BTHD, (head, offset) for HND/BHTD
+    for out in OutputLayout:
+        store = out.store_layout
+        assert (store.offset_axis < store.head_axis) == (out.t_axis == 1)
