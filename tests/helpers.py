@@ -140,3 +140,18 @@ def deep_state(x, _stack: frozenset = frozenset()):
         if hasattr(x, name):
             state[name] = deep_state(getattr(x, name), inner)
     return state
+
+
+def full_recompute_logits(session, tokens) -> np.ndarray:
+    """Last-position logits of ``tokens`` run whole through an onnxruntime
+    decoder ``session`` with an empty past: the no-cache reference of the
+    engine tests."""
+    n = len(tokens)
+    feeds = {"input_ids": np.array([list(tokens)], np.int64),
+             "attention_mask": np.ones((1, n), np.int64)}
+    for arg in session.get_inputs():
+        if arg.name == "position_ids":
+            feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
+        elif arg.name.startswith("past_key_values."):
+            feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+    return session.run(["logits"], feeds)[0][0, -1]

@@ -528,6 +528,8 @@ def test_emulated_backend_serves_an_ort_decoder(emulated_backend, family):
     from pagedkv_np.onnxruntime import OrtDecoder
     from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
 
+    from helpers import full_recompute_logits
+
     config = DecoderConfig()
     model = build_model(config, family=family).SerializeToString()
     rng = np.random.default_rng(5)
@@ -544,15 +546,7 @@ def test_emulated_backend_serves_an_ort_decoder(emulated_backend, family):
     sess = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
     tokens = list(prompts[1])
     for want in outs["cupy"][1]:
-        n = len(tokens)
-        feeds = {"input_ids": np.array([tokens], np.int64),
-                 "attention_mask": np.ones((1, n), np.int64)}
-        for arg in sess.get_inputs():
-            if arg.name == "position_ids":
-                feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
-            elif arg.name.startswith("past_key_values."):
-                feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
-        assert int(np.argmax(sess.run(["logits"], feeds)[0][0, -1])) == want
+        assert int(np.argmax(full_recompute_logits(sess, tokens))) == want
         tokens.append(want)
 
 

@@ -19,6 +19,8 @@ from pagedkv_np.onnxruntime import (OrtDecoder, RequestNotFound, SamplingParams,
 from pagedkv_np.onnxruntime.sampling import sample
 from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
 
+from helpers import full_recompute_logits
+
 CONFIG = DecoderConfig()              # hidden 64, 2 layers, 4 heads, 2 K/V heads, vocab 256
 PAGE = 8
 NEW = 40                              # tokens generated per request
@@ -63,16 +65,7 @@ def full_logits(variant: str, tokens: list[int]) -> np.ndarray:
     """Last-position logits of the whole sequence, no past: the no-cache reference."""
     if variant not in _SESSIONS:
         _SESSIONS[variant] = _session(variant)
-    sess = _SESSIONS[variant]
-    n = len(tokens)
-    feeds = {"input_ids": np.array([tokens], np.int64),
-             "attention_mask": np.ones((1, n), np.int64)}
-    for arg in sess.get_inputs():
-        if arg.name == "position_ids":
-            feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
-        elif arg.name.startswith("past_key_values."):
-            feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
-    return sess.run(["logits"], feeds)[0][0, -1]
+    return full_recompute_logits(_SESSIONS[variant], tokens)
 
 
 def reference(variant: str, prompt: list[int], n: int = NEW, seed=None,
