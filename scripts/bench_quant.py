@@ -3,18 +3,21 @@
 Usage::
 
     python scripts/bench_quant.py [--only tokens,speed,quality] [--backend numba]
-                                  [--rounds 5] [--quick]
+                                  [--rounds 5] [--quick] [--matched]
 
 * ``tokens``: tokens a GiB of K/V holds, for float32, float16 and int8
   stores of 8 KV heads x 128 (32 layers) and of SmolLM2-135M's 3 x 64 (30
   layers), scales included.
 * ``speed``: one layer of 32 sequences x 2048 tokens x 8 heads x 128, pages
-  of 16 in shuffled order. ``write`` quantizes all 65536 tokens; ``gather``
-  dequantizes them into preallocated buffers. Each is timed in interleaved
-  rounds beside plain copies of the float bytes handed in (write) or got
-  back (gather), from :class:`pagedkv_np.bench.timing.CopyBaseline`; the
-  ratio is copy time / operation time (1.0: as fast as copying the floats),
-  the median of the per-round ratios with the range beside it.
+  of 16 in shuffled order. ``write`` quantizes all 65536 tokens (float32,
+  float16 or bfloat16 in); ``gather`` dequantizes them into preallocated
+  buffers of each of those dtypes, in both output layouts (``--matched``:
+  only the layout that follows the store's, NHD -> BTHD and HND -> BHTD).
+  Each is timed in interleaved rounds beside plain copies of the float
+  bytes handed in (write) or got back (gather), from
+  :class:`pagedkv_np.bench.timing.CopyBaseline`; the ratio is copy time /
+  operation time (1.0: as fast as copying the floats), the median of the
+  per-round ratios with the range beside it.
 * ``quality``: the measurement behind the format's group size
   (:mod:`pagedkv_np.quant`): RMS error relative to the signal for K with
   outlier channels and Gaussian V, by values per scale, beside a float16
@@ -96,7 +99,11 @@ def _gather_line(backend, arrays, layout, out_layout, out_dtype, table, seq_lens
             f"ratio {med:.2f} [{lo:.2f}, {hi:.2f}]{tag}")
 
 
-def speed(backend_name: str, rounds: int, quick: bool) -> None:
+FLOATS = ("float32", "float16", "bfloat16")
+MATCHED = {"NHD": "BTHD", "HND": "BHTD"}
+
+
+def speed(backend_name: str, rounds: int, quick: bool, matched: bool = False) -> None:
     backend = get_backend(backend_name)
     batch = 4 if quick else BATCH
     num_pages = batch * SEQ_LEN // PAGE_SIZE
@@ -116,11 +123,11 @@ def speed(backend_name: str, rounds: int, quick: bool) -> None:
             store = KVStore(1, PAGE_SIZE, NUM_HEADS, HEAD_DIM, num_pages=num_pages,
                             dtype="int8", layout=layout, backend=backend)
             arrays = (store.k, store.v, store.k_scale, store.v_scale)
-            for in_dtype in ("float32", "float16"):
+            for in_dtype in FLOATS:
                 print(_write_line(backend, arrays, layout, slots, in_dtype, rng, baseline,
                                   rounds, min_time))
-            for out_layout in ("BTHD", "BHTD"):
-                for out_dtype in ("float32", "float16"):
+            for out_layout in (MATCHED[layout],) if matched else ("BTHD", "BHTD"):
+                for out_dtype in FLOATS:
                     print(_gather_line(backend, arrays, layout, out_layout, out_dtype, table,
                                        seq_lens, baseline, rounds, min_time))
     finally:
@@ -161,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="numba")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="4 sequences, short samples")
+    parser.add_argument("--matched", action="store_true",
+                        help="gathers only into the output layout that follows the store's")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
     if "tokens" in parts:
@@ -168,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if "quality" in parts:
         quality()
     if "speed" in parts:
-        speed(args.backend, args.rounds, args.quick)
+        speed(args.backend, args.rounds, args.quick, args.matched)
     return 0
 
 

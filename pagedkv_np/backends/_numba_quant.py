@@ -16,8 +16,14 @@ ran at a third of the memory's speed, and at a tenth for 16-bit data):
   :func:`_widen_f16_bits`); the results equal NumPy's and ml_dtypes'
   ``astype`` for every input, NaN included (NumPy truncates a NaN's payload
   to float16 without quieting it, ml_dtypes makes every NaN ``0x7FC0``).
-  LLVM's own ``half`` type is not used: without F16C it calls a runtime
-  function that a JIT may not find, and its NaNs differ from NumPy's.
+  Where the target CPU has them, a gather rounds with its conversion
+  instructions instead (F16C's ``vcvtps2ph``, AVX512-BF16's
+  ``vcvtneps2bf16``, through LLVM's ``half`` and ``bfloat``): on the
+  products of a code and a scale the format stores (normal or zero), never
+  NaN nor subnormal, they round exactly as NumPy and ml_dtypes do (in the
+  gather of 32 x 2048 x 8 x 128, 15 against 24 ms for float16 on one
+  thread). Without them LLVM would call runtime functions that a JIT may
+  not find, so the integer code stays for other CPUs.
 * a large gather writes its output with non-temporal (streaming) stores,
   which skip reading each destination line first: its output does not fit
   in the cache, and those reads cost a third of the memory traffic. Writes
@@ -144,13 +150,15 @@ def _f16_bits(b, x):
     return b.trunc(b.or_(out, sign), _lanes(_I16, x.type))
 
 
-def _bf16_bits(b, x):
+def _bf16_bits(b, x, nan=True):
     """bfloat16 bits (i16 lanes) of float32 bits ``x`` (i32 lanes), rounded
     to nearest, ties to even; every NaN becomes ``0x7FC0`` with its sign, as
-    ml_dtypes makes it."""
+    ml_dtypes makes it (``nan=False``: ``x`` is never NaN)."""
     c = lambda v: _const(x.type, v)  # noqa: E731
     high = b.lshr(x, c(16))
     rounded = b.lshr(b.add(b.add(x, c(0x7FFF)), b.and_(high, c(1))), c(16))
+    if not nan:
+        return b.trunc(rounded, _lanes(_I16, x.type))
     nan = b.or_(b.and_(high, c(0x8000)), c(0x7FC0))
     out = b.select(b.icmp_unsigned(">", b.and_(x, c(0x7FFFFFFF)), c(0x7F800000)), nan, rounded)
     return b.trunc(out, _lanes(_I16, x.type))
@@ -188,12 +196,26 @@ def _write_value(b, ptr, value, stream):
         store.set_metadata("nontemporal", nontemporal)
 
 
-def _narrow(b, value, kind):
-    """``value`` (float32 lanes) as ``kind`` lanes: itself or 16-bit bits."""
+class _BFloat(ir.Type):
+    """LLVM's bfloat, which llvmlite does not name."""
+
+    def _to_string(self):
+        return "bfloat"
+
+
+def _narrow(b, value, kind, finite=False, f16c=False, bf16=False):
+    """``value`` (float32 lanes) as ``kind`` lanes: itself or 16-bit bits.
+    ``finite``: ``value`` is never NaN nor subnormal; then ``f16c`` and
+    ``bf16`` let the CPU's conversion instructions round (as NumPy and
+    ml_dtypes do on such values; not on NaN, nor bfloat16 on subnormals)."""
     if kind == KIND_F32:
         return value
+    hw = (ir.HalfType() if kind == KIND_F16 and f16c else
+          _BFloat() if kind == KIND_BF16 and bf16 else None)
+    if finite and hw is not None:
+        return b.bitcast(b.fptrunc(value, _lanes(hw, value.type)), _lanes(_I16, value.type))
     bits = b.bitcast(value, _lanes(_I32, value.type))
-    return _f16_bits(b, bits) if kind == KIND_F16 else _bf16_bits(b, bits)
+    return _f16_bits(b, bits) if kind == KIND_F16 else _bf16_bits(b, bits, not finite)
 
 
 def _aligned(b, ptr, intp):
@@ -225,8 +247,9 @@ def _if_else(b, cond, then, other):
 
 
 # ----------------------------------------------------------- dequantizing
-def _build_dequantize(b, dst, codes, scales, num_groups, group, kind, stream):
-    """``dst`` (kind) = float32(codes) * scale, group by group."""
+def _build_dequantize(b, dst, codes, scales, num_groups, group, kind, stream, hw=()):
+    """``dst`` (kind) = float32(codes) * scale, group by group (products
+    of a code and a finite scale: never NaN)."""
     intp = num_groups.type
     f32 = ir.PointerType(_F32)
 
@@ -238,8 +261,8 @@ def _build_dequantize(b, dst, codes, scales, num_groups, group, kind, stream):
             c = _load(b, b.gep(codes, [b.mul(g, ir.Constant(intp, _LANES))]),
                       ir.VectorType(_I8, _LANES))
             value = b.fmul(b.sitofp(c, ir.VectorType(_F32, _LANES)), _splat(b, scale, _LANES))
-            _write_value(b, b.gep(dst, [b.mul(g, ir.Constant(intp, width))]), _narrow(b, value, k),
-                         nt)
+            _write_value(b, b.gep(dst, [b.mul(g, ir.Constant(intp, width))]),
+                         _narrow(b, value, k, True, *hw), nt)
 
     def scalar_loop(k):
         with cgutils.for_range(b, num_groups) as outer:
@@ -248,7 +271,7 @@ def _build_dequantize(b, dst, codes, scales, num_groups, group, kind, stream):
                 at = b.add(b.mul(outer.index, group), inner.index)
                 value = b.fmul(b.sitofp(b.load(b.gep(codes, [at])), _F32), scale)
                 out = b.gep(dst, [b.mul(at, ir.Constant(intp, _ITEMSIZE[k]))])
-                _write_value(b, out, _narrow(b, value, k), False)
+                _write_value(b, out, _narrow(b, value, k, True, *hw), False)
 
     def per_kind(k):
         _if_else(b, b.icmp_signed("==", group, ir.Constant(intp, _LANES)),
@@ -486,8 +509,13 @@ def _dequantize_run(typingctx, out, out_at, codes, codes_at, scales, scales_at, 
                            _inside(context, b, sig.args[4], scales_a,
                                    b.mul(scales_i, ir.Constant(intp, 4)),
                                    b.mul(ngroups, ir.Constant(intp, 4)))))
-        fn = _out_of_line(b.module, "pagedkv_dequantize",
-                          [_I8P, _I8P, _I8P, intp, intp, intp, _I1], _build_dequantize)
+        # F16C (vcvtps2ph) where the target has it: LLVM's half type would
+        # otherwise call a runtime function
+        features = context.codegen().magic_tuple()[2].split(",")
+        hw = ("+f16c" in features, "+avx512bf16" in features)
+        fn = _out_of_line(b.module, f"pagedkv_dequantize_{hw[0]:d}{hw[1]:d}",
+                          [_I8P, _I8P, _I8P, intp, intp, intp, _I1],
+                          lambda *a: _build_dequantize(*a, hw=hw))
         with b.if_then(ok, likely=True):
             b.call(fn, [dst, src, sc, ngroups, grp, knd, strm])
         return ok
