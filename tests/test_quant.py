@@ -388,3 +388,53 @@ def test_ort_decoder_kv_dtype_is_the_models_or_int8():
     dec = OrtDecoder(model, num_pages=8, page_size=PAGE_SIZE, backend="numpy",
                      kv_dtype="float32")
     assert dec.cache.dtype == np.float32
+
+
+# Gathers and writes of every 16-bit type on a CPU without F16C or AVX512-BF16:
+# the kernels' integer rounding, against the NumPy backend, and no conversion
+# instruction in the code.
+GENERIC_CPU_PROBE = """
+import numpy as np
+from pagedkv_np import KVStore, get_backend
+from pagedkv_np.backends import _numba_quant as nq
+from pagedkv_np.layout import resolve_dtype
+
+rng = np.random.default_rng(5)
+numba_be, ref = get_backend("numba"), get_backend("numpy")
+stores = [KVStore(1, 4, 2, 64, num_pages=6, dtype="int8", backend=be) for be in (numba_be, ref)]
+slots = rng.permutation(24)[:20].astype(np.int32)
+table = np.array([[0, 1, 2], [3, 4, 5]], np.int32)
+seq_lens = np.array([11, 12], np.int32)
+for dtype in ("float16", "bfloat16"):
+    x = (rng.standard_normal((20, 2, 64)) * 10.0 ** rng.uniform(-8, 5, (20, 2, 1)))
+    with np.errstate(over="ignore"):  # infinities among them
+        x = x.astype(np.float32).astype(resolve_dtype(dtype))
+    for st, be in zip(stores, (numba_be, ref)):
+        be.write_quantized(st.k, st.v, st.k_scale, st.v_scale, 0, slots, x, x[::-1].copy())
+    for a, b in zip((stores[0].k, stores[0].k_scale), (stores[1].k, stores[1].k_scale)):
+        assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), dtype
+    stores[0].k_scale[0, 0, 0, 0, 0] = 2.0 ** 100  # float16 overflow
+    stores[1].k_scale[0, 0, 0, 0, 0] = 2.0 ** 100
+    got = numba_be.gather_quantized(stores[0].k, stores[0].v, stores[0].k_scale,
+                                    stores[0].v_scale, 0, table, seq_lens, dtype=dtype)
+    want = ref.gather_quantized(stores[1].k, stores[1].v, stores[1].k_scale, stores[1].v_scale,
+                                0, table, seq_lens, dtype=dtype)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.view(np.uint16), w.view(np.uint16)), dtype
+asm = "".join(nq.gather_q_serial.inspect_asm(s) for s in nq.gather_q_serial.signatures)
+assert "vcvtps2ph" not in asm and "vcvtneps2bf16" not in asm
+print("ok")
+"""
+
+
+def test_numba_int8_kernels_on_a_cpu_without_16_bit_conversions(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CPU_NAME="x86-64", NUMBA_CPU_FEATURES="",
+               NUMBA_CACHE_DIR=str(tmp_path), PAGEDKV_NUMBA_CACHE_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", GENERIC_CPU_PROBE], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"
