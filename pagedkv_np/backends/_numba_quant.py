@@ -168,11 +168,16 @@ def _load(b, ptr, ty):
     return b.load(b.bitcast(ptr, ty.as_pointer()), align=1)
 
 
-def _read_bits(b, ptr, kind, n):
-    """float32 bits (i32 lanes) of ``n`` values of ``kind`` at ``ptr``."""
+def _read_bits(b, ptr, kind, n, f16c=False):
+    """float32 bits (i32 lanes) of ``n`` values of ``kind`` at ``ptr``;
+    ``f16c``: float16 widened by the CPU's instruction (exact, but NaNs come
+    out quiet)."""
     i32 = ir.VectorType(_I32, n) if n > 1 else _I32
     if kind == KIND_F32:
         return _load(b, ptr, i32)
+    if kind == KIND_F16 and f16c:
+        wide = b.fpext(_load(b, ptr, _lanes(ir.HalfType(), i32)), _lanes(_F32, i32))
+        return b.bitcast(wide, i32)
     h = b.zext(_load(b, ptr, _lanes(_I16, i32)), i32)
     return b.shl(h, _const(i32, 16)) if kind == KIND_BF16 else _widen_f16_bits(b, h)
 
@@ -295,12 +300,16 @@ def _group_max(b, m):
 
 
 def _magnitude(b, bits):
-    """(|x| as float32 lanes, |x| >= SCALE_MIN, |x| counts for the scale)."""
+    """(|x| as float32 lanes, |x| >= SCALE_MIN, |x| counts for the scale).
+
+    Subnormals count for the scale here, which the reference leaves out:
+    when one is a group's largest, its scale (below 2**-126 / 127) is
+    stored as 0 either way, and otherwise it is not the largest. That
+    saves a comparison per vector."""
     ft = _lanes(_F32, bits.type)
     mag = b.bitcast(b.and_(bits, _const(bits.type, 0x7FFFFFFF)), ft)
     normal = b.fcmp_ordered(">=", mag, _const(ft, float(SCALE_MIN)))  # NaN: false
-    usable = b.and_(normal, b.fcmp_ordered("<=", mag, _const(ft, float(F32_MAX))))
-    return mag, normal, usable
+    return mag, normal, b.fcmp_ordered("<=", mag, _const(ft, float(F32_MAX)))
 
 
 def _scale_of(b, amax):
@@ -327,9 +336,10 @@ def _codes_of(b, bits, normal, divisor, nonzero):
     return b.select(nonzero, codes, _const(codes.type, 0))
 
 
-def _build_quantize(b, codes, scales, src, num_groups, group, stride, kind, stream):
+def _build_quantize(b, codes, scales, src, num_groups, group, stride, kind, stream, f16c=False):
     """Codes and scales of ``num_groups`` groups of ``group`` values of
-    ``kind``, ``stride`` bytes apart from ``src``."""
+    ``kind``, ``stride`` bytes apart from ``src`` (``f16c``: see
+    :func:`_read_bits`; a NaN's bits do not matter here, it counts as 0)."""
     intp = num_groups.type
     f32 = ir.PointerType(_F32)
 
@@ -337,7 +347,7 @@ def _build_quantize(b, codes, scales, src, num_groups, group, stride, kind, stre
         with cgutils.for_range(b, num_groups) as loop:
             g = loop.index
             bits = _read_bits(b, b.gep(src, [b.mul(g, ir.Constant(intp, _ITEMSIZE[k] * _LANES))]),
-                              k, _LANES)
+                              k, _LANES, f16c)
             mag, normal, usable = _magnitude(b, bits)
             amax = _group_max(b, b.select(usable, mag, _const(mag.type, 0.0)))
             scale, nonzero, divisor = _scale_of(b, amax)
@@ -351,7 +361,8 @@ def _build_quantize(b, codes, scales, src, num_groups, group, stride, kind, stre
             first = b.mul(outer.index, group)
 
             def element(inner):
-                return _read_bits(b, b.gep(src, [b.mul(b.add(first, inner), stride)]), k, 1)
+                return _read_bits(b, b.gep(src, [b.mul(b.add(first, inner), stride)]), k, 1,
+                                  f16c)
 
             b.store(ir.Constant(_F32, 0.0), amax_at)
             with cgutils.for_range(b, group) as inner:
@@ -553,8 +564,10 @@ def _quantize_run(typingctx, codes, codes_at, scales, scales_at, x, x_offset, nu
                                    b.mul(ngroups, ir.Constant(intp, 4))),
                            b.or_(b.icmp_signed("<=", size, ir.Constant(intp, 0)),
                                  _inside(context, b, sig.args[4], x_a, first, span))))
-        fn = _out_of_line(b.module, "pagedkv_quantize",
-                          [_I8P, _I8P, _I8P, intp, intp, intp, intp, _I1], _build_quantize)
+        f16c = "+f16c" in context.codegen().magic_tuple()[2].split(",")
+        fn = _out_of_line(b.module, f"pagedkv_quantize_{f16c:d}",
+                          [_I8P, _I8P, _I8P, intp, intp, intp, intp, _I1],
+                          lambda *a: _build_quantize(*a, f16c=f16c))
         with b.if_then(ok, likely=True):
             b.call(fn, [dst, sc, src, ngroups, grp, strd, knd, strm])
         return ok
