@@ -53,6 +53,7 @@ from ..layout import check_positive_int, resolve_dtype, shown
 from ..quant import resolve_quant
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
+from ..threads import thread_budget
 from ..tiers.manager import flat_stats
 from ..tokens import as_tokens
 from .batching import Batcher
@@ -131,7 +132,13 @@ class OrtDecoder(TextGenerationMixin):
         such as the context length of the model's configuration. The graph's
         own limit (the rows of its position or rotary table) applies too:
         the smaller one is :attr:`max_positions`.
+    threads, spin : optional
+        Cores shared by onnxruntime and the cache's kernels (default: the
+        CPU affinity's), and whether idle onnxruntime threads spin (default
+        no): :func:`pagedkv_np.threads.thread_budget`, README "Threads".
     session_options : onnxruntime.SessionOptions, optional
+        Used as they are: then only a ThreadBudget as ``threads`` may be
+        given, for the kernels.
     providers : list, optional
         Default ``["CPUExecutionProvider"]``.
     disk_cache, disk_cache_bytes, redis_url, hash_secret, tier_options : optional
@@ -148,6 +155,8 @@ class OrtDecoder(TextGenerationMixin):
         caller sets a limit.
     cache : PagedKVCache
     session : onnxruntime.InferenceSession
+    threads : ThreadBudget
+        onnxruntime's threads, and the kernels' in :meth:`step` and :meth:`abort`.
     """
 
     def __init__(self, model: Any, *, num_pages: int = 512, page_size: int = 16,
@@ -157,7 +166,7 @@ class OrtDecoder(TextGenerationMixin):
                  family: str = "auto",
                  num_kv_heads: int | None = None,
                  head_dim: int | None = None, max_positions: int | None = None,
-                 session_options: Any = None,
+                 session_options: Any = None, threads: Any = None, spin: Any = None,
                  providers: list | None = None, disk_cache: Any = None,
                  disk_cache_bytes: int | None = None, redis_url: str | None = None,
                  hash_secret: bytes | None = None, tier_options: dict | None = None,
@@ -167,12 +176,14 @@ class OrtDecoder(TextGenerationMixin):
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
         self.eos_token_ids = self._parse_eos(eos_token_id)
+        self.threads = thread_budget(threads, spin, session_options=session_options)
         source, proto = load_model(model)
         facts = graph_facts(proto)
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
         del proto
-        self.session = make_session(source, session_options, providers)
+        self.session = make_session(source, self.threads.session_options(session_options),
+                                    providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
         io = self.io
@@ -329,7 +340,7 @@ class OrtDecoder(TextGenerationMixin):
 
         An aborted request is listed in the ``finished`` of the next step.
         """
-        with self._step_lock:
+        with self._step_lock, self.threads.kernels():
             req = self._get(request_id)
             if req.finished:
                 return
@@ -360,7 +371,7 @@ class OrtDecoder(TextGenerationMixin):
             that ended, for any reason) and ``errors`` (those that failed,
             with a :class:`~pagedkv_np.errors.RequestFailed` each).
         """
-        with self._step_lock:
+        with self._step_lock, self.threads.kernels():
             with self._lock:
                 self._batcher.waiting.extend(self._incoming)
                 self._incoming.clear()

@@ -7,7 +7,8 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["main", "model_name", "session_options"]
+__all__ = ["load_decoder", "main", "model_name", "parse_args", "session_options",
+           "thread_budget_of"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -46,8 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (for comparison)")
     p.add_argument("--threads", type=int, default=0,
-                   help="onnxruntime intra-op threads (default 0: onnxruntime's choice)")
-    p.add_argument("--spin", action="store_true",
+                   help="cores the engine shares between onnxruntime's intra-op threads and "
+                        "the cache's kernels (default 0: every core this process may use)")
+    p.add_argument("--spin", action="store_true", default=None,
                    help="let onnxruntime's idle threads spin-wait (off by default: spinning "
                         "threads take the cores the HTTP side and other processes need)")
     p.add_argument("--graceful-timeout", type=int, default=30,
@@ -57,20 +59,35 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def session_options(threads: int = 0, spin: bool = False) -> Any:
-    """onnxruntime session options for a server.
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of ``pagedkv serve`` (argparse exits on a malformed line)."""
+    return _parser().parse_args(argv)
 
-    Idle intra-op threads spin-wait by default in onnxruntime. On a small
-    or shared machine that takes the cores from the event loop (and from
-    other processes) and, measured here on 2 busy cores with SmolLM2, about
-    doubled the CPU time of a decode step and made it slower, not faster.
+
+def thread_budget_of(args: Any) -> Any:
+    """The :class:`~pagedkv_np.threads.ThreadBudget` of ``--threads`` and ``--spin``.
+
+    The engine's own policy (README "Threads"): idle onnxruntime threads do
+    not spin unless ``--spin`` says so, since on a small or shared machine
+    they take the cores from the event loop and from other processes.
+
+    Raises
+    ------
+    ConfigError
+        ``--threads`` below 0.
     """
-    import onnxruntime as ort
+    from ..threads import thread_budget
 
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = int(threads)
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    return options
+    return thread_budget(args.threads or None, args.spin)
+
+
+def session_options(threads: int = 0, spin: bool = False) -> Any:
+    """onnxruntime session options for a server: ``threads`` intra-op threads
+    (0: every core of the affinity), spinning only if ``spin``; the
+    onnxruntime half of :func:`thread_budget_of`."""
+    from ..threads import thread_budget
+
+    return thread_budget(int(threads) or None, bool(spin)).session_options()
 
 
 def load_decoder(args: Any) -> Any:
@@ -80,11 +97,11 @@ def load_decoder(args: Any) -> Any:
         args.model, num_pages=args.num_pages, page_size=args.page_size,
         max_batch_size=args.max_batch_size,
         enable_prefix_caching=not args.no_prefix_caching,
-        session_options=session_options(args.threads, args.spin))
+        threads=thread_budget_of(args))
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     from ..errors import PagedKVError
     from .app import run_server
 

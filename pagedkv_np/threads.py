@@ -1,0 +1,220 @@
+"""One thread budget for onnxruntime's sessions and the cache's Numba kernels.
+
+An engine step runs the model (onnxruntime's intra-op threads), then moves
+K/V between the model's buffers and the pages (the Numba kernels, which split
+moves of :data:`~pagedkv_np.backends.numba_cpu.PARALLEL_MIN_BYTES` or more
+over Numba's threads). Left to their defaults, the two pools each take one
+thread per core, and onnxruntime's idle threads spin-wait after every run:
+the kernels' threads then wait for cores that spinning threads hold. A
+:class:`ThreadBudget` gives both pools their share of the same cores:
+
+* ``threads`` intra-op threads for onnxruntime (one inter-op thread: the
+  engine's graphs run sequentially), spinning as ``spin`` says;
+* ``kernel_threads`` Numba threads for the kernels the engine calls, set in
+  the engine's own thread for the duration of its call and restored after
+  (``numba.set_num_threads`` is per calling thread, so other threads, and the
+  caller's own setting outside the engine, never change).
+
+:func:`thread_budget` resolves the measured policy (``scripts/bench_threads.py``,
+README "Threads"): onnxruntime gets every core the process may run on, its
+idle threads do not spin, and the kernels run serially while a model holds
+the cores.
+
+This module imports neither onnxruntime nor Numba until a method needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import numbers
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from .errors import ConfigError, DTypeError
+
+__all__ = ["SPIN_KEY", "ThreadBudget", "available_cores", "thread_budget"]
+
+#: The onnxruntime session config entry that lets idle intra-op threads spin.
+SPIN_KEY = "session.intra_op.allow_spinning"
+
+#: Whether onnxruntime's idle threads spin under :func:`thread_budget`'s
+#: policy. Off: on 2 cores spinning gained a quiet machine's decode 15-35%
+#: and cost a busy one 2x (README "Threads").
+DEFAULT_SPIN = False
+
+#: Numba threads for the engine's kernels under :func:`thread_budget`'s policy.
+DEFAULT_KERNEL_THREADS = 1
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):   # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
+def _count(value: Any, name: str, allow_none: bool = True) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise DTypeError(f"Invalid {name}: expected a positive integer"
+                         f"{' or None' if allow_none else ''}, got {type(value).__name__}")
+    if int(value) < 1:
+        raise ConfigError(f"Invalid {name}: expected a positive integer, got {int(value)}")
+    return int(value)
+
+
+def _flag(value: Any, name: str) -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise DTypeError(f"Invalid {name}: expected True, False or None, got {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadBudget:
+    """Threads for onnxruntime and for the cache's Numba kernels.
+
+    A field left None leaves that library's own default: ``ThreadBudget()``
+    is onnxruntime's and Numba's defaults untouched. :func:`thread_budget`
+    gives the resolved policy.
+
+    Parameters
+    ----------
+    threads : int, optional
+        onnxruntime intra-op threads (the calling thread included); with it,
+        one inter-op thread. None: onnxruntime's choice (one per physical
+        core) and its inter-op default.
+    spin : bool, optional
+        Whether idle intra-op threads spin-wait for work. None: onnxruntime's
+        default (they spin).
+    kernel_threads : int, optional
+        Numba threads for the kernels the engine calls, capped at Numba's pool
+        size (``NUMBA_NUM_THREADS``); with fewer than 2 the kernels run
+        serially. None: the calling thread's Numba setting as it is.
+
+    Raises
+    ------
+    DTypeError
+        A field of the wrong type.
+    ConfigError
+        A count below 1.
+    """
+
+    threads: int | None = None
+    spin: bool | None = None
+    kernel_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _count(self.threads, "threads")
+        _flag(self.spin, "spin")
+        _count(self.kernel_threads, "kernel_threads")
+
+    def session_options(self, options: Any = None) -> Any:
+        """onnxruntime ``SessionOptions`` carrying this budget.
+
+        Parameters
+        ----------
+        options : onnxruntime.SessionOptions, optional
+            Returned unchanged when given: options of the caller's own are
+            never edited behind its back.
+        """
+        import onnxruntime as ort
+
+        if options is not None:
+            return options
+        options = ort.SessionOptions()
+        if self.threads is not None:
+            options.intra_op_num_threads = self.threads
+            options.inter_op_num_threads = 1
+        if self.spin is not None:
+            options.add_session_config_entry(SPIN_KEY, "1" if self.spin else "0")
+        return options
+
+    def numba_threads(self) -> int | None:
+        """The Numba thread count the kernels run with, or None to leave it."""
+        if self.kernel_threads is None:
+            return None
+        import numba
+
+        return min(self.kernel_threads, int(getattr(numba.config, "NUMBA_NUM_THREADS")))
+
+    @contextlib.contextmanager
+    def kernels(self) -> Iterator[None]:
+        """Run the body with the kernels' Numba thread count in this thread.
+
+        The calling thread's previous count is restored on exit, also when
+        the body raises. Nests: an inner use restores the outer one's count.
+        """
+        want = self.numba_threads()
+        if want is None:
+            yield
+            return
+        import numba
+
+        before = numba.get_num_threads()
+        if before == want:
+            yield
+            return
+        numba.set_num_threads(want)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(before)
+
+
+def thread_budget(threads: Any = None, spin: Any = None, *,
+                  session_options: Any = None) -> ThreadBudget:
+    """The policy's budget: ``threads`` cores shared by onnxruntime and the kernels.
+
+    Parameters
+    ----------
+    threads : int or ThreadBudget, optional
+        Cores the engine may use: onnxruntime's intra-op threads. None: the
+        cores of this process's affinity (:func:`available_cores`). A
+        :class:`ThreadBudget` is returned as it is (then ``spin`` must be None).
+    spin : bool, optional
+        Let onnxruntime's idle threads spin-wait. None: :data:`DEFAULT_SPIN`.
+    session_options : onnxruntime.SessionOptions, optional
+        The caller's own options, which onnxruntime then uses as they are:
+        ``threads`` (as a count) and ``spin`` must be None with them, since
+        they would change nothing there; the kernels still follow the policy
+        (or the fields of a ThreadBudget given as ``threads``).
+
+    Returns
+    -------
+    ThreadBudget
+        ``threads`` intra-op threads, spinning as resolved, and
+        :data:`DEFAULT_KERNEL_THREADS` Numba threads for the kernels: the
+        engine's kernels run between model runs, never beside one, and on a
+        shared machine waking Numba's pool cost more than it gained.
+
+    Raises
+    ------
+    DTypeError
+        ``threads`` not an integer, ThreadBudget or None; ``spin`` not a bool
+        or None.
+    ConfigError
+        ``threads`` below 1, a ThreadBudget given together with ``spin``, or
+        a count or ``spin`` given together with ``session_options``.
+    """
+    if session_options is not None and not isinstance(threads, ThreadBudget) \
+            and (threads is not None or spin is not None):
+        _count(threads, "threads")
+        _flag(spin, "spin")
+        raise ConfigError("Invalid threads/spin: session_options are used as they are; set "
+                          "intra_op_num_threads and session.intra_op.allow_spinning there, "
+                          "or pass threads/spin without session_options")
+    if isinstance(threads, ThreadBudget):
+        _flag(spin, "spin")
+        if spin is not None:
+            raise ConfigError("Invalid spin: a ThreadBudget already says whether threads "
+                              "spin; give one or the other")
+        return threads
+    count = _count(threads, "threads")
+    flag = _flag(spin, "spin")
+    return ThreadBudget(threads=available_cores() if count is None else count,
+                        spin=DEFAULT_SPIN if flag is None else flag,
+                        kernel_threads=DEFAULT_KERNEL_THREADS)
