@@ -261,8 +261,9 @@ def main(argv: list[str] | None = None) -> int:
                              "default, one per core); onnxruntime-genai runs as it is configured")
     parser.add_argument("--no-spin", dest="spin", action="store_false",
                         help="their idle intra-op threads do not spin-wait (spinning is "
-                             "onnxruntime's default and OrtDecoder's; pagedkv serve turns it "
-                             "off, since on a busy machine spinning threads take its cores)")
+                             "onnxruntime's default, kept here so that all three run alike; "
+                             "OrtDecoder's own thread budget and pagedkv serve turn it off, "
+                             "since on a busy machine spinning threads take its cores)")
     parser.add_argument("--runtimes", default=",".join(RUNTIMES))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", help="also write the per-round figures here")
