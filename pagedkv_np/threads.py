@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import os
 from collections.abc import Iterator
 from typing import Any
 
 from .errors import ConfigError, DTypeError
+from .layout import is_int
 
 __all__ = ["SPIN_KEY", "ThreadBudget", "available_cores", "thread_budget"]
 
@@ -60,7 +60,7 @@ def available_cores() -> int:
 def _count(value: Any, name: str, allow_none: bool = True) -> int | None:
     if value is None and allow_none:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise DTypeError(f"Invalid {name}: expected a positive integer"
                          f"{' or None' if allow_none else ''}, got {type(value).__name__}")
     if int(value) < 1:
@@ -140,7 +140,9 @@ class ThreadBudget:
             return None
         import numba
 
-        return min(self.kernel_threads, int(getattr(numba.config, "NUMBA_NUM_THREADS")))
+        # set in numba.config's globals at run time, so unknown to mypy
+        return min(self.kernel_threads,
+                   int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
     def kernels(self) -> Iterator[None]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import numbers
 import threading
 from typing import Any
 from collections.abc import Iterable
@@ -49,7 +48,7 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError
-from ..layout import check_positive_int, resolve_dtype, shown
+from ..layout import check_positive_int, is_int, resolve_dtype, shown
 from ..quant import resolve_quant
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
@@ -84,7 +83,7 @@ def _make_rng(seed: Any) -> np.random.Generator:
 
 
 def _check_request_id(request_id: Any) -> int:
-    if isinstance(request_id, bool) or not isinstance(request_id, numbers.Integral):
+    if not is_int(request_id):
         raise DTypeError(f"Invalid request_id: expected an integer, got "
                          f"{type(request_id).__name__}")
     return int(request_id)
@@ -233,12 +232,12 @@ class OrtDecoder(TextGenerationMixin):
             raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
                              f"got {type(eos).__name__}")
         try:
-            items = [eos] if isinstance(eos, numbers.Integral) else list(eos)
+            items = [eos] if is_int(eos) else list(eos)
         except TypeError:
             raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
                              f"got {type(eos).__name__}") from None
         for t in items:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+            if not is_int(t):
                 raise DTypeError(f"Invalid eos_token_id: expected integers, got {t!r}")
         return frozenset(int(t) for t in items)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, DTypeError
-from ..layout import shown
+from ..layout import is_int, shown
 
 __all__ = ["SamplingParams", "sample"]
 
@@ -38,7 +38,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise DTypeError(f"Invalid {name}: expected a number, got {type(value).__name__}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+        if not is_int(self.top_k):
             raise DTypeError(f"Invalid top_k: expected an integer, got {type(self.top_k).__name__}")
         try:
             finite = math.isfinite(self.temperature)
