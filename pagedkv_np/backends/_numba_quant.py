@@ -265,35 +265,56 @@ def _if_else(b, cond, then, other):
 
 
 # ----------------------------------------------------------- dequantizing
-def _build_dequantize(b, dst, codes, scales, num_groups, group, kind, stream, hw=()):
+def _build_dequantize(b, dst0, dst_step, codes0, codes_step, scales0, scales_step, runs,
+                      num_groups, group, kind, stream, hw=()):
     """``dst`` (kind) = float32(codes) * scale, group by group (products
-    of a code and a finite scale: never NaN)."""
+    of a code and a finite scale: never NaN), for ``runs`` runs of
+    ``num_groups`` groups, each run the given byte steps after the one
+    before (which keep 16-byte alignment: rows of 32 values do)."""
     intp = num_groups.type
     f32 = ir.PointerType(_F32)
 
+    def each_run(body):
+        with cgutils.for_range(b, runs) as run:
+            r = run.index
+            body(b.gep(dst0, [b.mul(r, dst_step)]), b.gep(codes0, [b.mul(r, codes_step)]),
+                 b.gep(scales0, [b.mul(r, scales_step)]))
+
     def vector_loop(k, nt):
         width = _ITEMSIZE[k] * _LANES
-        with cgutils.for_range(b, num_groups) as loop:
-            g = loop.index
-            scale = b.load(b.gep(b.bitcast(scales, f32), [g]))
-            c = _load(b, b.gep(codes, [b.mul(g, ir.Constant(intp, _LANES))]),
-                      ir.VectorType(_I8, _LANES))
-            value = b.fmul(b.sitofp(c, ir.VectorType(_F32, _LANES)), _splat(b, scale, _LANES))
-            _write_value(b, b.gep(dst, [b.mul(g, ir.Constant(intp, width))]),
-                         _narrow(b, value, k, True, *hw), nt)
+
+        def body(dst, codes, scales):
+            with cgutils.for_range(b, num_groups) as loop:
+                g = loop.index
+                scale = b.load(b.gep(b.bitcast(scales, f32), [g]))
+                c = _load(b, b.gep(codes, [b.mul(g, ir.Constant(intp, _LANES))]),
+                          ir.VectorType(_I8, _LANES))
+                value = b.fmul(b.sitofp(c, ir.VectorType(_F32, _LANES)),
+                               _splat(b, scale, _LANES))
+                _write_value(b, b.gep(dst, [b.mul(g, ir.Constant(intp, width))]),
+                             _narrow(b, value, k, True, *hw), nt)
+
+        each_run(body)
 
     def scalar_loop(k):
-        with cgutils.for_range(b, num_groups) as outer:
-            scale = b.load(b.gep(b.bitcast(scales, f32), [outer.index]))
-            with cgutils.for_range(b, group) as inner:
-                at = b.add(b.mul(outer.index, group), inner.index)
-                value = b.fmul(b.sitofp(b.load(b.gep(codes, [at])), _F32), scale)
-                out = b.gep(dst, [b.mul(at, ir.Constant(intp, _ITEMSIZE[k]))])
-                _write_value(b, out, _narrow(b, value, k, True, *hw), False)
+        def body(dst, codes, scales):
+            with cgutils.for_range(b, num_groups) as outer:
+                scale = b.load(b.gep(b.bitcast(scales, f32), [outer.index]))
+                with cgutils.for_range(b, group) as inner:
+                    at = b.add(b.mul(outer.index, group), inner.index)
+                    value = b.fmul(b.sitofp(b.load(b.gep(codes, [at])), _F32), scale)
+                    out = b.gep(dst, [b.mul(at, ir.Constant(intp, _ITEMSIZE[k]))])
+                    _write_value(b, out, _narrow(b, value, k, True, *hw), False)
+
+        each_run(body)
+
+    step_aligned = b.icmp_signed("==", b.and_(dst_step, ir.Constant(intp, _STORE_BYTES - 1)),
+                                 ir.Constant(intp, 0))
+    aligned = b.and_(stream, b.and_(_aligned(b, dst0, intp), step_aligned))
 
     def per_kind(k):
         _if_else(b, b.icmp_signed("==", group, ir.Constant(intp, _LANES)),
-                 lambda: _if_else(b, b.and_(stream, _aligned(b, dst, intp)),
+                 lambda: _if_else(b, aligned,
                                   lambda: vector_loop(k, True), lambda: vector_loop(k, False)),
                  lambda: scalar_loop(k))
 
@@ -510,38 +531,51 @@ def _itemsize(context, arrty):
 
 
 @intrinsic
-def _dequantize_run(typingctx, out, out_at, codes, codes_at, scales, scales_at, num_groups,
-                    group, kind, stream):
-    """Dequantize ``num_groups`` groups of ``group`` codes from element
-    ``codes_at`` of ``codes`` (scales from element ``scales_at``) into
-    ``out`` (float32 or the bits of ``kind``) from element ``out_at``; all
-    three arrays contiguous. Returns False, having written nothing, when
-    a run falls outside an array (checked only with bounds checking on)."""
-    sig = types.boolean(out, types.intp, codes, types.intp, scales, types.intp, types.intp,
-                        types.intp, types.intp, types.boolean)
+def _dequantize_runs(typingctx, out, out_at, out_step, codes, codes_at, codes_step, scales,
+                     scales_at, scales_step, runs, num_groups, group, kind, stream):
+    """Dequantize ``runs`` runs of ``num_groups`` groups of ``group`` codes
+    from element ``codes_at`` of ``codes`` (scales from element
+    ``scales_at``) into ``out`` (float32 or the bits of ``kind``) from
+    element ``out_at``, each run ``*_step`` elements (>= 0) after the one
+    before; all three arrays contiguous. Returns False, having written
+    nothing, when a run falls outside an array (checked only with bounds
+    checking on)."""
+    sig = types.boolean(out, types.intp, types.intp, codes, types.intp, types.intp, scales,
+                        types.intp, types.intp, types.intp, types.intp, types.intp, types.intp,
+                        types.boolean)
 
     def codegen(context, b, sig, args):
         intp = context.get_value_type(types.intp)
-        out_v, out_i, codes_v, codes_i, scales_v, scales_i, ngroups, grp, knd, strm = args
+        (out_v, out_i, out_s, codes_v, codes_i, codes_s, scales_v, scales_i, scales_s, nruns,
+         ngroups, grp, knd, strm) = args
         dst, out_a = _at(context, b, sig.args[0], out_v, out_i)
-        src, codes_a = _at(context, b, sig.args[2], codes_v, codes_i)
-        sc, scales_a = _at(context, b, sig.args[4], scales_v, scales_i)
+        src, codes_a = _at(context, b, sig.args[3], codes_v, codes_i)
+        sc, scales_a = _at(context, b, sig.args[6], scales_v, scales_i)
+        zero, four = ir.Constant(intp, 0), ir.Constant(intp, 4)
+        last = b.sub(nruns, ir.Constant(intp, 1))
+        some = b.icmp_signed(">", nruns, zero)
+
+        def span(step, length):  # elements from the first run's start to the last's end
+            return b.select(some, b.add(b.mul(last, step), length), zero)
+
         size = b.mul(ngroups, grp)
         isz = ir.Constant(intp, _itemsize(context, sig.args[0]))
-        ok = b.and_(_inside(context, b, sig.args[0], out_a, b.mul(out_i, isz), b.mul(size, isz)),
-                    b.and_(_inside(context, b, sig.args[2], codes_a, codes_i, size),
-                           _inside(context, b, sig.args[4], scales_a,
-                                   b.mul(scales_i, ir.Constant(intp, 4)),
-                                   b.mul(ngroups, ir.Constant(intp, 4)))))
+        ok = b.and_(_inside(context, b, sig.args[0], out_a, b.mul(out_i, isz),
+                            b.mul(span(out_s, size), isz)),
+                    b.and_(_inside(context, b, sig.args[3], codes_a, codes_i,
+                                   span(codes_s, size)),
+                           _inside(context, b, sig.args[6], scales_a, b.mul(scales_i, four),
+                                   b.mul(span(scales_s, ngroups), four))))
         # F16C (vcvtps2ph) where the target has it: LLVM's half type would
         # otherwise call a runtime function
         features = context.codegen().magic_tuple()[2].split(",")
         hw = ("+f16c" in features, "+avx512bf16" in features)
         fn = _out_of_line(b.module, f"pagedkv_dequantize_{hw[0]:d}{hw[1]:d}",
-                          [_I8P, _I8P, _I8P, intp, intp, intp, _I1],
+                          [_I8P, intp, _I8P, intp, _I8P, intp, intp, intp, intp, intp, _I1],
                           lambda *a: _build_dequantize(*a, hw=hw))
         with b.if_then(ok, likely=True):
-            b.call(fn, [dst, src, sc, ngroups, grp, knd, strm])
+            b.call(fn, [dst, b.mul(out_s, isz), src, codes_s, sc, b.mul(scales_s, four), nruns,
+                        ngroups, grp, knd, strm])
         return ok
 
     return sig, codegen
@@ -815,13 +849,13 @@ def _gather_q_blocks(codes, scales, out, kind, layer, page_table, seq_lens, hnd,
                 num_outer, s_o, d_o, num_inner, s_i, d_i, rows = (
                     count, src_t, dst_t, num_heads, src_h, dst_h, 1)
             for o in range(num_outer):
-                for i in range(num_inner):
-                    src = page_row + o * s_o + i * s_i
-                    dst = out_row0 + o * d_o + i * d_i
-                    if not _dequantize_run(out, dst * head_dim, codes, src * head_dim, scales,
-                                           src * num_groups, rows * num_groups, group, kind,
-                                           stream):
-                        num_bad += 1
+                src = page_row + o * s_o
+                dst = out_row0 + o * d_o
+                if not _dequantize_runs(out, dst * head_dim, d_i * head_dim, codes,
+                                        src * head_dim, s_i * head_dim, scales,
+                                        src * num_groups, s_i * num_groups, num_inner,
+                                        rows * num_groups, group, kind, stream):
+                    num_bad += 1
         z0 = max(t0, n)
         if z0 < t1:
             zero_row0 = seq * num_positions * num_heads + z0 * dst_t
