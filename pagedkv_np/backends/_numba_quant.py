@@ -363,10 +363,16 @@ def _codes_of(b, bits, normal, divisor, nonzero):
     ``normal`` (NaN, subnormal), all 0 unless ``nonzero``."""
     ft = _lanes(_F32, bits.type)
     x = b.select(normal, b.bitcast(bits, ft), _const(ft, 0.0))
-    q = _unary(b, "roundeven", b.fdiv(x, divisor))  # an infinity stays one
+    # Clipping before rounding equals clipping after (the bounds are
+    # integers), and lets one conversion round (an infinity clips to 127).
+    q = b.fdiv(x, divisor)
     q = b.select(b.fcmp_ordered("<", q, _const(ft, 127.0)), q, _const(ft, 127.0))
     q = b.select(b.fcmp_ordered(">", q, _const(ft, -127.0)), q, _const(ft, -127.0))
-    codes = b.fptosi(q, _lanes(_I8, bits.type))
+    i32 = _lanes(_I32, bits.type)
+    suffix = (f"v{ft.count}i32.v{ft.count}f32" if isinstance(ft, ir.VectorType) else "i32.f32")
+    lrint = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32, [ft]),
+                                           f"llvm.lrint.{suffix}")
+    codes = b.trunc(b.call(lrint, [q]), _lanes(_I8, bits.type))  # rint, to nearest even
     return b.select(nonzero, codes, _const(codes.type, 0))
 
 
