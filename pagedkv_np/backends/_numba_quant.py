@@ -115,11 +115,14 @@ def _splat(b, value, n):
     return b.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, n), [0] * n))
 
 
-def _unary(b, name, x):
-    """The LLVM intrinsic ``llvm.<name>`` of a float32 scalar or vector."""
-    suffix = f"v{x.type.count}f32" if isinstance(x.type, ir.VectorType) else "f32"
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(x.type, [x.type]),
-                                        f"llvm.{name}.{suffix}")
+def _rint_i32(b, x):
+    """``llvm.lrint`` of float32 lanes into i32 lanes: one conversion that
+    rounds to nearest, ties to even (the CPU's mode, as NumPy's ``rint``)."""
+    i32 = _lanes(_I32, x.type)
+    n = x.type.count if isinstance(x.type, ir.VectorType) else 0
+    suffix = f"v{n}i32.v{n}f32" if n else "i32.f32"
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32, [x.type]),
+                                        f"llvm.lrint.{suffix}")
     return b.call(fn, [x])
 
 
@@ -368,11 +371,7 @@ def _codes_of(b, bits, normal, divisor, nonzero):
     q = b.fdiv(x, divisor)
     q = b.select(b.fcmp_ordered("<", q, _const(ft, 127.0)), q, _const(ft, 127.0))
     q = b.select(b.fcmp_ordered(">", q, _const(ft, -127.0)), q, _const(ft, -127.0))
-    i32 = _lanes(_I32, bits.type)
-    suffix = (f"v{ft.count}i32.v{ft.count}f32" if isinstance(ft, ir.VectorType) else "i32.f32")
-    lrint = cgutils.get_or_insert_function(b.module, ir.FunctionType(i32, [ft]),
-                                           f"llvm.lrint.{suffix}")
-    codes = b.trunc(b.call(lrint, [q]), _lanes(_I8, bits.type))  # rint, to nearest even
+    codes = b.trunc(_rint_i32(b, q), _lanes(_I8, bits.type))
     return b.select(nonzero, codes, _const(codes.type, 0))
 
 
