@@ -48,7 +48,7 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError
-from ..layout import check_positive_int, is_int, resolve_dtype, shown
+from ..layout import check_positive_int, resolve_dtype, shown
 from ..quant import resolve_quant
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
@@ -57,7 +57,8 @@ from ..tiers.manager import flat_stats
 from ..tokens import as_tokens
 from .batching import Batcher
 from .model_io import discover, graph_facts
-from .requests import Request, RequestStatus, StepEvents
+from .requests import (Request, RequestStatus, StepEvents, check_request_id, make_rng,
+                       parse_eos)
 from .runners import Runner, make_runner
 from .sampling import SamplingParams
 from .session import load_model, make_session
@@ -68,25 +69,6 @@ __all__ = ["OrtDecoder", "RequestNotFound"]
 
 class RequestNotFound(PagedKVError, KeyError):
     """No request with that id (never added, or its output was already taken)."""
-
-
-def _make_rng(seed: Any) -> np.random.Generator:
-    if isinstance(seed, (np.random.Generator, np.random.BitGenerator)):
-        # default_rng would hand back the caller's own generator, whose
-        # draws the caller could then advance under the request
-        raise DTypeError("Invalid seed: expected an int, SeedSequence or None, not a "
-                         "generator shared with the caller")
-    try:
-        return np.random.default_rng(seed)
-    except (TypeError, ValueError) as exc:
-        raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
-
-
-def _check_request_id(request_id: Any) -> int:
-    if not is_int(request_id):
-        raise DTypeError(f"Invalid request_id: expected an integer, got "
-                         f"{type(request_id).__name__}")
-    return int(request_id)
 
 
 class OrtDecoder(TextGenerationMixin):
@@ -174,7 +156,7 @@ class OrtDecoder(TextGenerationMixin):
         self.write_interval = check_positive_int(write_interval, "write_interval")
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
-        self.eos_token_ids = self._parse_eos(eos_token_id)
+        self.eos_token_ids = parse_eos(eos_token_id)
         self.threads = thread_budget(threads, spin, session_options=session_options)
         source, proto = load_model(model)
         facts = graph_facts(proto)
@@ -224,23 +206,6 @@ class OrtDecoder(TextGenerationMixin):
         self._batcher.runner = runner
 
     # ------------------------------------------------------------- requests
-    @staticmethod
-    def _parse_eos(eos: Any) -> frozenset:
-        if eos is None:
-            return frozenset()
-        if isinstance(eos, (str, bytes)):
-            raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
-                             f"got {type(eos).__name__}")
-        try:
-            items = [eos] if is_int(eos) else list(eos)
-        except TypeError:
-            raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
-                             f"got {type(eos).__name__}") from None
-        for t in items:
-            if not is_int(t):
-                raise DTypeError(f"Invalid eos_token_id: expected integers, got {t!r}")
-        return frozenset(int(t) for t in items)
-
     def add_request(self, prompt: Any, max_new_tokens: int = 64, *, eos_token_id: Any = None,
                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: Any = None, salt: Any = None) -> int:
@@ -300,8 +265,8 @@ class OrtDecoder(TextGenerationMixin):
                 f"{shown(max_new_tokens)} feed {shown(num_fed)} tokens and exceed the model's "
                 f"{self.max_positions} positions (max_positions)")
         params = SamplingParams(temperature, top_k, top_p)
-        eos = self.eos_token_ids if eos_token_id is None else self._parse_eos(eos_token_id)
-        rng = None if params.greedy else _make_rng(seed)
+        eos = self.eos_token_ids if eos_token_id is None else parse_eos(eos_token_id)
+        rng = None if params.greedy else make_rng(seed)
         return Request(tokens, max_new_tokens, eos, params, rng, salt)
 
     def _enqueue(self, reqs: list) -> None:
@@ -324,7 +289,7 @@ class OrtDecoder(TextGenerationMixin):
 
     def pop_output(self, request_id: int) -> list[int]:
         """The tokens of a finished request (a failed one too); forgets the request."""
-        request_id = _check_request_id(request_id)
+        request_id = check_request_id(request_id)
         with self._lock:
             req = self._requests.get(request_id)
             if req is None:
@@ -353,7 +318,7 @@ class OrtDecoder(TextGenerationMixin):
             return bool(self._incoming or self._batcher.waiting or self._batcher.running)
 
     def _get(self, request_id: Any) -> Request:
-        req = self._requests.get(_check_request_id(request_id))
+        req = self._requests.get(check_request_id(request_id))
         if req is None:
             raise RequestNotFound(f"Invalid request_id: no request {shown(request_id)}")
         return req

@@ -18,10 +18,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import RequestFailed
+from ..errors import DTypeError, RequestFailed
+from ..layout import is_int
 from .sampling import SamplingParams
 
-__all__ = ["FINISH_REASONS", "RequestStatus", "StepEvents", "Request"]
+__all__ = ["FINISH_REASONS", "RequestStatus", "StepEvents", "Request", "make_rng",
+           "check_request_id", "parse_eos"]
 
 #: Why a request finished: an end token, its ``max_new_tokens``, ``abort``,
 #: or a failure of one of its steps.
@@ -124,3 +126,42 @@ class Request:
         return RequestStatus(self.rid, self.finished, self.finish_reason,
                              int(self.prompt.shape[0]), self.num_cached,
                              len(self.generated), self.error)
+
+
+def make_rng(seed: Any) -> np.random.Generator:
+    """A request's own generator from its ``seed``, else a typed error."""
+    if isinstance(seed, (np.random.Generator, np.random.BitGenerator)):
+        # default_rng would hand back the caller's own generator, whose
+        # draws the caller could then advance under the request
+        raise DTypeError("Invalid seed: expected an int, SeedSequence or None, not a "
+                         "generator shared with the caller")
+    try:
+        return np.random.default_rng(seed)
+    except (TypeError, ValueError) as exc:
+        raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
+
+
+def check_request_id(request_id: Any) -> int:
+    """``request_id`` as an int, else a typed error."""
+    if not is_int(request_id):
+        raise DTypeError(f"Invalid request_id: expected an integer, got "
+                         f"{type(request_id).__name__}")
+    return int(request_id)
+
+
+def parse_eos(eos: Any) -> frozenset:
+    """``eos_token_id`` as a set of token ids (None: none), else a typed error."""
+    if eos is None:
+        return frozenset()
+    if isinstance(eos, (str, bytes)):
+        raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
+                         f"got {type(eos).__name__}")
+    try:
+        items = [eos] if is_int(eos) else list(eos)
+    except TypeError:
+        raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
+                         f"got {type(eos).__name__}") from None
+    for t in items:
+        if not is_int(t):
+            raise DTypeError(f"Invalid eos_token_id: expected integers, got {t!r}")
+    return frozenset(int(t) for t in items)
