@@ -190,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nadmission: {first['prompt_tokens']}-token chat, prefix hit rate "
           f"{first['hit_rate']:.2f}; medians over rounds (range); load = 1-min load average "
           f"at the runs' start")
-    print(f"| machine | policy | cached-prefix TTFT ms | decode tok/s, batch 1 | "
-          f"decode tok/s, batch 8 | load avg |")
+    print("| machine | policy | cached-prefix TTFT ms | decode tok/s, batch 1 | "
+          "decode tok/s, batch 8 | load avg |")
     print("|---|---|---|---|---|---|")
     for state in states:
         for policy in policies:

@@ -26,7 +26,7 @@ from pagedkv_np.threads import SPIN_KEY, ThreadBudget, available_cores, thread_b
 
 from test_onnxruntime import NEW, PROMPTS, WAVE2, decoder, model_bytes, reference
 
-NUMBA_POOL = int(getattr(numba.config, "NUMBA_NUM_THREADS"))
+NUMBA_POOL = int(numba.config.NUMBA_NUM_THREADS)
 
 
 def _spin_entry(options: ort.SessionOptions) -> str | None:
@@ -183,13 +183,12 @@ def test_abort_runs_under_the_budget_and_restores(monkeypatch):
 
 def test_kernels_context_restores_after_an_error_and_nests():
     numba.set_num_threads(NUMBA_POOL)
-    with pytest.raises(KeyError):
-        with thread_budget().kernels():
-            assert numba.get_num_threads() == 1
-            with ThreadBudget(kernel_threads=NUMBA_POOL).kernels():
-                assert numba.get_num_threads() == NUMBA_POOL
-            assert numba.get_num_threads() == 1
-            raise KeyError("x")
+    with pytest.raises(KeyError), thread_budget().kernels():
+        assert numba.get_num_threads() == 1
+        with ThreadBudget(kernel_threads=NUMBA_POOL).kernels():
+            assert numba.get_num_threads() == NUMBA_POOL
+        assert numba.get_num_threads() == 1
+        raise KeyError("x")
     assert numba.get_num_threads() == NUMBA_POOL
 
 
