@@ -50,8 +50,8 @@ BACKENDS = [name for name in pk.available_backends() if name in ("numpy", "numba
 DTYPES = ["float32", "float16", "bfloat16"]
 
 DOCUMENTS = [[(7 * d + 3 * i) % 11 for i in range(24)] for d in range(3)]
-VALID_SALTS = [None, "a", b"a", 1]
-INVALID_SALTS = [1.5, [1], True, bytearray(b"a"), np.int64(3), object()]
+VALID_SALTS = [None, "a", b"a", 1, np.int64(3)]
+INVALID_SALTS = [1.5, [1], True, np.bool_(True), bytearray(b"a"), object()]
 INVALID_TOKENS = [
     None, "abc", b"ab", 3, 2.5, [1.5], np.array([1.0]), [True], np.array([True, False]),
     [[1, 2]], np.ones((2, 2), np.int64), np.array(5), np.array([1, 2], dtype=object),

@@ -133,7 +133,15 @@ def test_salts_of_different_types_never_collide():
     assert len(roots) == len(salts)
 
 
-@pytest.mark.parametrize("bad", [1.5, True, ["a"], object()])
+def test_a_numpy_int_salt_is_the_same_salt_as_the_python_int():
+    index = PrefixIndex(PS, SECRET)
+    for numpy_int in (np.int64(7), np.uint8(7), np.int32(7)):
+        assert encode_salt(numpy_int) == encode_salt(7)
+        assert index.root(numpy_int) == index.root(7)
+    assert encode_salt(np.int64(7)) != encode_salt(8)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, np.bool_(True), ["a"], object()])
 def test_bad_salt_raises(bad):
     with pytest.raises(DTypeError, match="salt"):
         encode_salt(bad)
