@@ -75,6 +75,11 @@ class StoreDims(NamedTuple):
     head_dim: int
 
 
+# StoreLayout.dims of the shapes seen lately (a process has a few stores).
+_STORE_DIMS: dict[tuple, StoreDims] = {}
+_STORE_DIMS_MAX = 64
+
+
 class StoreLayout(_Layout):
     """Axis order of the K/V store (see the module docstring)."""
 
@@ -114,13 +119,23 @@ class StoreLayout(_Layout):
         ShapeError
             If ``shape`` does not have 5 entries.
         """
+        key = (self, shape)
+        found = _STORE_DIMS.get(key) if type(shape) is tuple else None
+        if found is not None:   # the per-layer calls ask for the same few stores
+            return found
         if len(shape) != 5:
             raise ShapeError(
                 f"Invalid store shape: expected 5 dimensions, got {list(shape)}")
         num_layers, num_pages, a, b, head_dim = shape
         if self is StoreLayout.NHD:
-            return StoreDims(num_layers, num_pages, a, b, head_dim)
-        return StoreDims(num_layers, num_pages, b, a, head_dim)
+            dims = StoreDims(num_layers, num_pages, a, b, head_dim)
+        else:
+            dims = StoreDims(num_layers, num_pages, b, a, head_dim)
+        if type(shape) is tuple and all(type(x) is int for x in shape):
+            if len(_STORE_DIMS) >= _STORE_DIMS_MAX:
+                _STORE_DIMS.clear()
+            _STORE_DIMS[key] = dims
+        return dims
 
     @property
     def offset_axis(self) -> int:

@@ -278,3 +278,21 @@ def test_prepared_indices_of_another_plan_are_refused_and_change_nothing():
                   prepared=backend.prepare(plan))
     got, _ = cache.gather(0, cache.plan([seq]), layout="BTHD")
     np.testing.assert_array_equal(got[0], k)
+
+
+def test_prepare_checks_the_index_arrays_of_an_object_that_is_not_a_plan():
+    import types
+
+    from pagedkv_np.errors import ShapeError
+
+    good = _plan_of_one()
+    fields = dict(slot_mapping=good.slot_mapping, page_table=good.page_table,
+                  seq_lens=good.seq_lens)
+    backend = NumpyBackend()
+    prepared = backend.prepare(types.SimpleNamespace(**fields))
+    assert prepared.get(good.slot_mapping) is good.slot_mapping
+    for name, bad, error in (("slot_mapping", good.slot_mapping.astype(np.int64), DTypeError),
+                             ("page_table", good.page_table.ravel(), ShapeError),
+                             ("seq_lens", good.seq_lens.tolist(), DTypeError)):
+        with pytest.raises(error, match=name):
+            backend.prepare(types.SimpleNamespace(**{**fields, name: bad}))

@@ -268,3 +268,16 @@ def test_each_output_layout_names_the_store_layout_it_reads_in_runs():
     for out in OutputLayout:
         store = out.store_layout
         assert (store.offset_axis < store.head_axis) == (out.t_axis == 1)
+
+
+def test_store_dims_of_a_shape_seen_before_are_the_same_and_bad_shapes_still_fail():
+    from pagedkv_np.errors import ShapeError
+    from pagedkv_np.layout import StoreLayout
+    for layout in StoreLayout:
+        first = layout.dims((2, 8, 4, 3, 16))
+        assert layout.dims((2, 8, 4, 3, 16)) == first == layout.dims([2, 8, 4, 3, 16])
+        assert layout.shape(*first) == (2, 8, 4, 3, 16)
+        with pytest.raises(ShapeError):
+            layout.dims((2, 8, 4, 3))
+    assert StoreLayout.NHD.dims((2, 8, 4, 3, 16)).page_size == 4
+    assert StoreLayout.HND.dims((2, 8, 4, 3, 16)).page_size == 3

@@ -92,9 +92,15 @@ class Backend:
         that writes rows in its own order would read rows it had already
         overwritten (a cheap bounds test, which may also refuse views that
         interleave without touching)."""
-        for name, x in zip(("k", "v"), sources):
+        share = self.may_share_memory
+        k, v = sources
+        if len(stores) == 2:   # a float store: the per-layer case, without loops
+            a, b = stores
+            if not (share(k, a) or share(k, b) or share(v, a) or share(v, b)):
+                return
+        for name, x in (("k", k), ("v", v)):
             for store in stores:
-                if self.may_share_memory(x, store):
+                if share(x, store):
                     raise ShapeError(f"Invalid {name}: it shares memory with the store; "
                                      f"pass a copy")
 
@@ -160,7 +166,8 @@ class Backend:
         prepared : PreparedIndices, optional
             :meth:`prepare` of the plan ``slot_mapping`` belongs to.
         """
-        layout = StoreLayout.parse(layout)
+        if type(layout) is not StoreLayout:
+            layout = StoreLayout.parse(layout)
         if check_store:
             dims = check_kv_store(self, k_cache, v_cache, layout)
         else:
@@ -168,7 +175,10 @@ class Backend:
         num_layers, num_pages, page_size, num_kv_heads, head_dim = dims
         if type(layer) is not int or not 0 <= layer < num_layers:
             layer = check_index(layer, "layer", num_layers)
-        self._check_index(slot_mapping, "slot_mapping", 1)
+        if check_indices or prepared is None:
+            self._check_index(slot_mapping, "slot_mapping", 1)
+        # prepare() checked its arrays; get() refuses any other
+        slots = slot_mapping if prepared is None else self._kernel_indices(prepared, slot_mapping)
         n = slot_mapping.shape[0]
         for name, x in (("k", k), ("v", v)):
             check_array(x, name, shape=(n, num_kv_heads, head_dim), dtype=k_cache.dtype,
@@ -176,7 +186,6 @@ class Backend:
         self.check_sources((k, v), (k_cache, v_cache))
         if check_indices:
             check_slot_mapping(slot_mapping, num_pages * page_size)
-        slots = self._kernel_indices(prepared, slot_mapping)
         if n:
             self._write(k_cache, v_cache, layer, slots, k, v, layout)
 

@@ -14,11 +14,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..errors import ConfigError
+from ..layout import check_array
+from ..plan import Plan
 
 __all__ = ["PreparedIndices"]
 
 _NAMES = ("slot_mapping", "page_table", "seq_lens")
+_INDEX_DTYPE = np.dtype(np.int32)
 
 
 class PreparedIndices:
@@ -27,17 +32,26 @@ class PreparedIndices:
     Parameters
     ----------
     plan : Plan or any object with ``slot_mapping``, ``page_table`` and
-        ``seq_lens`` host int32 arrays, which must not change afterwards (a
-        :class:`~pagedkv_np.plan.Plan`'s are read-only).
+        ``seq_lens`` host int32 arrays (1-D, 2-D and 1-D), which must not
+        change afterwards (a :class:`~pagedkv_np.plan.Plan`'s are read-only).
+
+    Raises
+    ------
+    ConfigError, DTypeError, ShapeError
+        ``plan`` lacks one of the arrays, or one is not a host int32 array of
+        its number of dimensions.
     """
 
     __slots__ = ("slot_mapping", "page_table", "seq_lens")
 
     def __init__(self, plan: Any) -> None:
-        for name in _NAMES:
+        # checked once here, so that a call given these arrays need not again
+        # (a Plan's were checked when it was built, and are read-only)
+        for name, ndim in zip(_NAMES, (1, 2, 1)) if type(plan) is not Plan else ():
             if not hasattr(plan, name):
                 raise ConfigError(f"Invalid plan: expected an object with a {name} array, "
                                   f"got {type(plan).__name__}")
+            check_array(getattr(plan, name), name, ndim=ndim, dtype=_INDEX_DTYPE)
         self.slot_mapping = plan.slot_mapping
         self.page_table = plan.page_table
         self.seq_lens = plan.seq_lens
