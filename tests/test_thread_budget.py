@@ -258,3 +258,16 @@ def test_serve_flags_reach_the_session():
     got = dec.session.get_session_options()
     assert (got.intra_op_num_threads, _spin_entry(got)) == (available_cores(), "0")
     assert dec.threads.numba_threads() == 1
+
+
+def test_serve_refuses_a_negative_thread_count_before_loading_anything(capsys):
+    from pagedkv_np.serve.command import main, thread_budget_of
+
+    before = numba.get_num_threads()
+    assert main(["--threads", "-1", "/nonexistent/model.gguf"]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="threads"):
+        thread_budget_of(parse_args(["--threads", "-1"]))
+    with pytest.raises(SystemExit):   # argparse: not a number
+        parse_args(["--threads", "two"])
+    assert numba.get_num_threads() == before
