@@ -32,7 +32,7 @@ def _onnx():
     try:
         import onnxruntime as ort
         from pagedkv_np.onnxruntime import OrtDecoder
-        from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+        from pagedkv_np.models.testmodel import DecoderConfig, build_model
     except ImportError as exc:
         raise NotImplementedError(f"needs onnxruntime and onnx: {exc}") from None
     return ort, OrtDecoder, DecoderConfig, build_model

@@ -35,8 +35,8 @@ def _build():
         import onnxruntime as ort
         import onnxruntime_genai as og
         from pagedkv_np.onnxruntime import OrtDecoder
-        from pagedkv_np.onnxruntime.gguf_import import import_gguf
-        from pagedkv_np.onnxruntime.pretrained import default_model_path
+        from pagedkv_np.models.gguf.importer import import_gguf
+        from pagedkv_np.models.folder import default_model_path
         folder = import_gguf(default_model_path(), weights="q4", family="gqa")
     except Exception as exc:   # a missing extra or model: asv skips
         raise NotImplementedError(f"needs onnxruntime-genai and SmolLM2: {exc}") from None

@@ -1,6 +1,6 @@
 """pagedkv_np: a paged K/V cache with prefix reuse, NumPy arrays in and out."""
 
-from .kernel_warmup import warmup
+from .backends.warmup import warmup
 from .backends import available_backends, get_backend, register_backend
 from .errors import (
     AllocationError,

@@ -35,7 +35,8 @@ import numpy as np
 from .backends import Backend, get_backend
 from .cache_stats import CacheStats
 from .errors import ConfigError, DTypeError, OutOfPages, ShapeError, StalePlanError
-from .layout import OutputLayout, StoreLayout, check_nonneg_int
+from .layout import OutputLayout, StoreLayout
+from .checks import check_nonneg_int
 from .invariants import check_cache_invariants
 from .layer_io import LayerIO
 from .plan import LIST_MAX_ENTRIES, Plan, build_plan

@@ -19,7 +19,8 @@ from .cache import PagedKVCache
 from .chains import ChainEnds
 from .errors import (DTypeError, OutOfPages, PagedKVError, PageIdError, PageStateError,
                      ShapeError)
-from .layout import OutputLayout, StoreLayout, check_array, check_nonneg_int, is_int, shown
+from .layout import OutputLayout, StoreLayout, check_array
+from .checks import check_nonneg_int, is_int, shown
 from .quant import resolve_quant
 from .tokens import as_tokens
 

@@ -28,6 +28,13 @@ __all__ = [
     "BackendUnavailable",
     "AllocationError",
     "RequestFailed",
+    "UnsupportedModelError",
+    "ChatTemplateError",
+    "ModelFolderError",
+    "MissingModelFile",
+    "TextUnavailable",
+    "ModelUnavailable",
+    "ContextLengthExceeded",
 ]
 
 
@@ -119,3 +126,61 @@ class RequestFailed(PagedKVError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.request_id, self.__cause__))
+
+
+# -- models and text
+
+class UnsupportedModelError(PagedKVError, ValueError):
+    """A model the engine cannot serve: an ONNX graph without the inputs and
+    outputs of a supported decoder family, or a GGUF file of an unsupported
+    architecture, weight type or vocabulary.
+
+    The message names what is missing or unexpected.
+    """
+
+
+class ChatTemplateError(PagedKVError, ValueError):
+    """A chat template is missing, does not compile, or failed while rendering
+    (including a template's own ``raise_exception``)."""
+
+
+class ModelFolderError(ConfigError):
+    """A model folder lacks a file or a field that loading needs; the message
+    names it."""
+
+
+class MissingModelFile(ModelFolderError, FileNotFoundError):
+    """A file that a model folder needs is not there."""
+
+
+class TextUnavailable(ConfigError):
+    """A text method was called on a decoder without a tokenizer."""
+
+
+class ModelUnavailable(PagedKVError, ImportError):
+    """The default model's package is not installed."""
+
+
+class ContextLengthExceeded(ConfigError):
+    """A request's prompt and new tokens do not fit the context of its decoder.
+
+    Attributes
+    ----------
+    num_prompt_tokens, max_new_tokens, context_length : int
+    """
+
+    def __init__(self, message: str, *, num_prompt_tokens: int, max_new_tokens: int,
+                 context_length: int) -> None:
+        super().__init__(message)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_new_tokens = max_new_tokens
+        self.context_length = context_length
+
+    def __reduce__(self):
+        return (_context_error, (str(self), self.num_prompt_tokens, self.max_new_tokens,
+                                 self.context_length))
+
+
+def _context_error(message: str, prompt: int, new: int, context: int) -> ContextLengthExceeded:
+    return ContextLengthExceeded(message, num_prompt_tokens=prompt, max_new_tokens=new,
+                                 context_length=context)

@@ -19,7 +19,8 @@ from typing import Any
 from .backends import Backend
 from .backends.prepared import PreparedIndices
 from .errors import AllocationError, ConfigError, DTypeError, PagedKVError, ShapeError
-from .layout import check_index, is_int, resolve_dtype, shown
+from .checks import check_index, is_int, shown
+from .layout import resolve_dtype
 from .plan import Plan
 from .store import KVStore
 

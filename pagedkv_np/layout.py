@@ -1,4 +1,4 @@
-"""Layouts, dtypes and the argument checks shared by every module.
+"""Store and output layouts, and the dtypes a store may hold.
 
 Store layouts (one page of one layer)::
 
@@ -16,13 +16,13 @@ Output layouts of ``gather`` (one layer, a batch of B sequences, T positions)::
 from __future__ import annotations
 
 import enum
-import numbers
 from typing import Any, NamedTuple, TypeVar
 from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import ConfigError, DTypeError, LayoutError, PageIdError, ShapeError
+from .checks import describe, shown
+from .errors import DTypeError, LayoutError, ShapeError
 
 try:  # ml_dtypes is a hard dependency, but keep import errors readable.
     import ml_dtypes
@@ -40,13 +40,6 @@ __all__ = [
     "bits_view_dtype",
     "store_shape",
     "check_array",
-    "check_positive_int",
-    "check_nonneg_int",
-    "is_int",
-    "check_int",
-    "check_index",
-    "describe",
-    "shown",
 ]
 
 
@@ -243,15 +236,6 @@ def store_shape(
                                            num_kv_heads, head_dim)
 
 
-def describe(x: Any) -> str:
-    """A short description of ``x`` for error messages."""
-    shape = getattr(x, "shape", None)
-    dtype = getattr(x, "dtype", None)
-    if shape is not None:
-        return f"{type(x).__name__} of shape {list(shape)} and dtype {dtype}"
-    return f"{type(x).__name__}"
-
-
 def check_array(
     x: Any,
     name: str,
@@ -297,66 +281,3 @@ def check_array(
     # Device arrays (CuPy) have no writeable flag: device memory is always writeable.
     if writeable and not getattr(x.flags, "writeable", True):
         raise ShapeError(f"Invalid {name}: the array is read-only")
-
-
-def shown(value: Any) -> str:
-    """``repr(value)`` for an error message, shortened: an int too long for
-    Python's int -> str limit is described by its size."""
-    if isinstance(value, int) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
-
-
-def is_int(value: Any) -> bool:
-    """Whether ``value`` is an integral number (a Python or NumPy int), not a bool."""
-    # numpy.bool_ is not a numbers.Integral; only Python's bool needs ruling out.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def check_int(value: Any, name: str) -> int:
-    """Return ``value`` as an int if :func:`is_int`, else raise.
-
-    Raises
-    ------
-    DTypeError
-        If ``value`` is not an integer (a bool is not one).
-    """
-    if type(value) is int:   # the common case, before the slower ABC check
-        return value
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return int(value)
-    raise DTypeError(f"Invalid {name}: expected an integer, got {type(value).__name__}")
-
-
-def check_index(value: Any, name: str, bound: int,
-                error: type[Exception] = PageIdError) -> int:
-    """Return ``value`` as an int if it is an integer with ``0 <= value < bound``.
-
-    Raises
-    ------
-    DTypeError
-        If ``value`` is not an integer.
-    error
-        (:class:`PageIdError` unless given) if it is out of range.
-    """
-    index = check_int(value, name)
-    if not 0 <= index < bound:
-        raise error(f"Invalid {name}: expected 0 <= {name} < {bound}, got {shown(index)}")
-    return index
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """Return ``value`` as an int if it is an integer >= 1, else raise."""
-    number = check_int(value, name)
-    if number < 1:
-        raise ConfigError(f"Invalid {name}: expected an integer >= 1, got {shown(value)}")
-    return number
-
-
-def check_nonneg_int(value: Any, name: str) -> int:
-    """Return ``value`` as an int if it is an integer >= 0, else raise."""
-    number = check_int(value, name)
-    if number < 0:
-        raise ConfigError(f"Invalid {name}: expected an integer >= 0, got {shown(value)}")
-    return number

@@ -23,7 +23,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 
 from .errors import DTypeError, OutOfPages, PageIdError, PageStateError
-from .layout import check_nonneg_int, check_positive_int, is_int, shown
+from .checks import check_nonneg_int, check_positive_int, is_int, shown
 
 __all__ = ["PagePool", "FREE", "USED", "EVICTABLE"]
 

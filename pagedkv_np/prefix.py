@@ -40,7 +40,7 @@ from collections.abc import Callable
 import numpy as np
 
 from .errors import ConfigError, DTypeError
-from .layout import check_int, check_nonneg_int, check_positive_int, is_int
+from .checks import check_int, check_nonneg_int, check_positive_int, is_int
 
 __all__ = ["PrefixIndex", "blake2b_page_hash", "encode_salt"]
 

@@ -17,7 +17,8 @@ import numpy as np
 
 from .backends.base import Backend
 from .errors import AllocationError, ConfigError, DTypeError
-from .layout import StoreLayout, check_positive_int, resolve_dtype, shown
+from .layout import StoreLayout, resolve_dtype
+from .checks import check_positive_int, shown
 from .quant import resolve_quant
 
 __all__ = ["KVStore"]

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from .errors import ConfigError, DTypeError
-from .layout import is_int
+from .checks import is_int
 
 __all__ = ["SPIN_KEY", "ThreadBudget", "available_cores", "thread_budget"]
 

@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct's GGUF imported in each weight mode: size, import cost, speed.
 
-For each mode of :func:`pagedkv_np.onnxruntime.gguf_import.import_gguf`
+For each mode of :func:`pagedkv_np.models.gguf.importer.import_gguf`
 (float32, float16, q4) and for q4 with ``accuracy_level=4`` (MatMulNBits
 with int8 activations):
 
@@ -90,7 +90,7 @@ def run_child(args: list[str]) -> tuple[dict, int]:
 
 
 def child_import(mode: str, cache: str) -> None:
-    from pagedkv_np.onnxruntime.gguf_import import import_gguf
+    from pagedkv_np.models.gguf.importer import import_gguf
 
     weights, level = MODES[mode]
     t0 = time.perf_counter()

@@ -223,7 +223,7 @@ def _run_ortdecoder(folder: Path, prompts: list[np.ndarray], args, eos: set[int]
 
 def child(args) -> int:
     """One (runtime, workload) run; prints its figures as JSON."""
-    from pagedkv_np.onnxruntime.text import TextCodec
+    from pagedkv_np.text.codec import TextCodec
 
     folder = Path(args.folder)
     codec = TextCodec.from_folder(folder)
@@ -240,8 +240,8 @@ def child(args) -> int:
 
 
 def _model_folder(weights: str) -> Path:
-    from pagedkv_np.onnxruntime.gguf_import import import_gguf
-    from pagedkv_np.onnxruntime.pretrained import default_model_path
+    from pagedkv_np.models.gguf.importer import import_gguf
+    from pagedkv_np.models.folder import default_model_path
 
     return Path(import_gguf(default_model_path(), weights=weights, family="gqa"))
 

@@ -9,7 +9,7 @@ process so that they share the machine's load; the median over rounds:
 ``stream``   ``"".join(dec.stream_chat(m))``: the same, one delta per token
 
 Then the text layer alone: feeding the reply's tokens one at a time to a
-:class:`~pagedkv_np.onnxruntime.streaming.TextStream` with two stop strings,
+:class:`~pagedkv_np.text.streaming.TextStream` with two stop strings,
 in microseconds per token, beside one ``decode`` of all of them.
 
 Run: ``.venv/bin/python scripts/bench_text.py [--rounds 5] [--tokens 64]``
@@ -44,7 +44,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.onnxruntime.streaming import TextStream
+    from pagedkv_np.text.streaming import TextStream
 
     dec = OrtDecoder.from_pretrained(num_pages=256, page_size=16, max_batch_size=1)
     n = args.tokens

@@ -301,7 +301,7 @@ def bench_redis(args) -> dict:
 # ---------------------------------------------------------------- hitrate
 def bench_hitrate(args) -> dict:
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.onnxruntime.testmodel import build_model
+    from pagedkv_np.models.testmodel import build_model
     model = build_model().SerializeToString()
     page, num_prefixes, prefix_pages, pool = 16, 16, 4, 16
     rng = np.random.default_rng(0)

@@ -50,7 +50,7 @@ from pagedkv_np import available_backends  # noqa: E402
 from pagedkv_np.errors import ConfigError, RequestFailed  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder, batching  # noqa: E402
 from pagedkv_np.onnxruntime.sampling import SamplingParams, sample  # noqa: E402
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model  # noqa: E402
+from pagedkv_np.models.testmodel import DecoderConfig, build_model  # noqa: E402
 
 VARIANTS = {"optimum": dict(family="optimum"),
             "optimum-no-position-ids": dict(family="optimum", position_ids=False),

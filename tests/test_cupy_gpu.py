@@ -526,7 +526,7 @@ def test_emulated_backend_serves_an_ort_decoder(emulated_backend, family):
     the same engine on the NumPy backend and of a full recompute."""
     import onnxruntime as ort
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+    from pagedkv_np.models.testmodel import DecoderConfig, build_model
 
     from helpers import full_recompute_logits
 

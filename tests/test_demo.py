@@ -8,7 +8,8 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("tokenizers")
 
 from pagedkv_np import demo  # noqa: E402
-from pagedkv_np.onnxruntime.pretrained import ModelUnavailable, default_model_path  # noqa: E402
+from pagedkv_np.errors import ModelUnavailable
+from pagedkv_np.models.folder import default_model_path  # noqa: E402
 
 
 def test_demo_serves_chats_alike_with_reuse_on_and_off(capsys):

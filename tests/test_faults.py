@@ -22,7 +22,7 @@ from pagedkv_np.onnxruntime import OrtDecoder, RequestNotFound, UnsupportedModel
 from pagedkv_np.onnxruntime import batching
 from pagedkv_np.onnxruntime.requests import RequestStatus, StepEvents
 from pagedkv_np.onnxruntime.sampling import SamplingParams, sample
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+from pagedkv_np.models.testmodel import DecoderConfig, build_model
 
 from helpers import CACHE_BACKENDS, deep_state
 

@@ -23,9 +23,9 @@ from onnx import numpy_helper
 
 from pagedkv_np import ConfigError, PagedKVError
 from pagedkv_np.onnxruntime import OrtDecoder, UnsupportedModelError
-from pagedkv_np.onnxruntime.gguf_import import (GGUFFormatError, file_digest, import_gguf,
+from pagedkv_np.models.gguf.importer import (GGUFFormatError, file_digest, import_gguf,
                                                 main)
-from pagedkv_np.onnxruntime.graph import DecoderGeometry, reference_logits
+from pagedkv_np.models.graph import DecoderGeometry, reference_logits
 
 Q = gguf.GGMLQuantizationType
 MATRIX_TYPES = [Q.F32, Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1]
@@ -398,7 +398,7 @@ def test_second_import_is_a_cache_hit(tmp_path):
 
 
 def _digest_in_new_process(path, memo_dir):
-    code = ("import sys; from pagedkv_np.onnxruntime.gguf_import import file_digest; "
+    code = ("import sys; from pagedkv_np.models.gguf.importer import file_digest; "
             "print(file_digest(sys.argv[1], sys.argv[2]))")
     out = subprocess.run([sys.executable, "-c", code, str(path), str(memo_dir)], check=True,
                          capture_output=True, text=True)

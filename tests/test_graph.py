@@ -12,7 +12,7 @@ import pytest
 
 from pagedkv_np import ConfigError, DTypeError, ShapeError
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.graph import (BlockQuantized, DecoderGeometry, build_decoder,
+from pagedkv_np.models.graph import (BlockQuantized, DecoderGeometry, build_decoder,
                                           build_linear, reference_logits, save_decoder,
                                           weight_names)
 

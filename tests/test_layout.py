@@ -13,22 +13,10 @@ from pagedkv_np.errors import (
     SequenceError,
     ShapeError,
 )
-from pagedkv_np.layout import (
-    SUPPORTED_DTYPES,
-    OutputLayout,
-    StoreDims,
-    StoreLayout,
-    bits_view_dtype,
-    check_array,
-    check_index,
-    check_int,
-    check_nonneg_int,
-    check_positive_int,
-    is_int,
-    describe,
-    resolve_dtype,
-    store_shape,
-)
+from pagedkv_np.layout import (SUPPORTED_DTYPES, OutputLayout, StoreDims, StoreLayout,
+    bits_view_dtype, check_array, resolve_dtype, store_shape)
+from pagedkv_np.checks import (check_index, check_int, check_nonneg_int, check_positive_int,
+    is_int, describe)
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -40,7 +40,7 @@ from helpers import CACHE_BACKENDS, deep_state
 
 try:
     from pagedkv_np.onnxruntime import OrtDecoder, RequestNotFound
-    from pagedkv_np.onnxruntime.testmodel import build_model
+    from pagedkv_np.models.testmodel import build_model
 except ImportError:  # the onnx extra is not installed: no OrtDecoder cases
     OrtDecoder = None
 

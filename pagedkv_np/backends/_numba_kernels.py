@@ -49,7 +49,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._jit import jit_kernel
+from .jit import jit_kernel
 
 HND = 1  # store layout [.., num_kv_heads, page_size, head_dim]
 BHTD = 2  # output layout [B, num_kv_heads, T, head_dim]

@@ -60,7 +60,7 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .._jit import jit_kernel
+from .jit import jit_kernel
 
 KIND_F32, KIND_F16, KIND_BF16 = 0, 1, 2
 

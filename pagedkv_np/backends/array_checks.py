@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, ShapeError
-from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreDims, StoreLayout, check_array,
-                      describe, is_int)
+from ..layout import SUPPORTED_DTYPES, OutputLayout, StoreDims, StoreLayout, check_array
+from ..checks import describe, is_int
 from ..quant import QUANT_DTYPES, group_size
 
 __all__ = ["STORE_DTYPES", "CODE_DTYPES", "SCALE_DTYPE", "check_kv_store",

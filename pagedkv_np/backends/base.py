@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, ShapeError
-from ..layout import (SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, check_index,
-                      resolve_dtype)
+from ..layout import SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, resolve_dtype
+from ..checks import check_index
 from .array_checks import (SCALE_DTYPE, STORE_DTYPES, check_kv_store, check_quant_store,
                            gather_outputs)
 from .checks import (CACHE_LINE, aligned_array, check_page_pairs, check_page_table,

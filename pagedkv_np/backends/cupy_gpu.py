@@ -29,7 +29,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import BackendUnavailable, DTypeError
-from ..layout import OutputLayout, StoreLayout, describe
+from ..layout import OutputLayout, StoreLayout
+from ..checks import describe
 from ..quant import group_size
 from ._cuda_sources import get_kernel
 from .cuda_launch import (LaunchPlan, block_shape, plan_copy_pages, plan_gather,

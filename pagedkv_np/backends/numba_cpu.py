@@ -115,7 +115,7 @@ class NumbaBackend(Backend):
     ``uint16`` views (no copies), and move runs of bytes that are contiguous on
     both sides, never values: results are bit-exact, NaN payloads included.
     They compile lazily on first use, once for float32 and once for both
-    16-bit types, and are cached on disk (see :mod:`pagedkv_np._jit`);
+    16-bit types, and are cached on disk (see :mod:`pagedkv_np.backends.jit`);
     :func:`pagedkv_np.warmup` compiles them ahead. ``k``/``v`` given to
     :meth:`write` may have any strides.
     """

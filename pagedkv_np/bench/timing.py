@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from ..layout import is_int
+from ..checks import is_int
 
 __all__ = ["round_times", "best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth"]
 

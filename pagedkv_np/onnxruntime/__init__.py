@@ -19,29 +19,36 @@ except ImportError as exc:
         "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
     ) from exc
 
+from ..errors import (ChatTemplateError, MissingModelFile, ModelFolderError, ModelUnavailable,
+                      TextUnavailable, UnsupportedModelError)
 from .engine import OrtDecoder, RequestNotFound
-from .model_io import ModelIO, UnsupportedModelError
+from .model_io import ModelIO
 from .requests import RequestStatus, StepEvents
 from .sampling import SamplingParams
-
-from .textgen import TextIterator, TextUnavailable
+from .textgen import TextIterator
 
 __all__ = ["OrtDecoder", "RequestNotFound", "RequestStatus", "StepEvents", "ModelIO",
-           "UnsupportedModelError", "SamplingParams", "TextIterator", "TextUnavailable"]
+           "UnsupportedModelError", "SamplingParams", "TextIterator", "TextUnavailable",
+           "ChatTemplateError", "ModelFolderError", "MissingModelFile", "ModelUnavailable",
+           "from_pretrained"]
+
+#: ``OrtDecoder.from_pretrained``: a decoder with its tokenizer, from a model
+#: folder or a GGUF file.
+from_pretrained = OrtDecoder.from_pretrained
 
 # Text names need the models extra (tokenizers, jinja2), so they are imported
 # on first use: the engine itself runs without them.
-_TEXT_EXPORTS = {"TextCodec": "text", "ChatTemplateError": "text",
-                 "ModelFolderError": "text", "MissingModelFile": "text",
-                 "Detokenizer": "streaming", "StopMatcher": "streaming",
-                 "TextStream": "streaming", "ModelFolder": "pretrained",
-                 "ModelUnavailable": "pretrained", "from_pretrained": "pretrained"}
+_LAZY_EXPORTS = {"TextCodec": "pagedkv_np.text.codec",
+                 "Detokenizer": "pagedkv_np.text.streaming",
+                 "StopMatcher": "pagedkv_np.text.streaming",
+                 "TextStream": "pagedkv_np.text.streaming",
+                 "ModelFolder": "pagedkv_np.models.folder"}
 
 
 def __getattr__(name: str):
-    module = _TEXT_EXPORTS.get(name)
+    module = _LAZY_EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
 
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    return getattr(importlib.import_module(module), name)

@@ -47,8 +47,9 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, DTypeError, PagedKVError
-from ..layout import check_positive_int, resolve_dtype, shown
+from ..errors import ConfigError, ContextLengthExceeded, DTypeError, PagedKVError
+from ..checks import check_positive_int, shown
+from ..layout import resolve_dtype
 from ..quant import resolve_quant
 from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
@@ -122,6 +123,11 @@ class OrtDecoder(TextGenerationMixin):
         given, for the kernels.
     providers : list, optional
         Default ``["CPUExecutionProvider"]``.
+    text : TextCodec, optional
+        The tokenizer and chat template for the text methods
+        (:class:`~pagedkv_np.onnxruntime.textgen.TextGenerationMixin`).
+    model_folder : ModelFolder, optional
+        The folder the model was read from (set by :meth:`from_pretrained`).
     disk_cache, disk_cache_bytes, redis_url, hash_secret, tier_options : optional
         Storage tiers below RAM (see :class:`~pagedkv_np.PagedKVCache` and
         :mod:`pagedkv_np.tiers`); their keys carry a fingerprint of the model
@@ -134,6 +140,9 @@ class OrtDecoder(TextGenerationMixin):
     max_positions : int or None
         Positions a request may use; None when neither the graph nor the
         caller sets a limit.
+    context_length : int
+        The model's positions (``max_positions``), or the pool's tokens for
+        a model without a limit (see :meth:`check_request`).
     cache : PagedKVCache
     session : onnxruntime.InferenceSession
     threads : ThreadBudget
@@ -151,12 +160,14 @@ class OrtDecoder(TextGenerationMixin):
                  providers: list | None = None, disk_cache: Any = None,
                  disk_cache_bytes: int | None = None, redis_url: str | None = None,
                  hash_secret: bytes | None = None, tier_options: dict | None = None,
-                 kv_dtype: Any = None) -> None:
+                 kv_dtype: Any = None, text: Any = None, model_folder: Any = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
         self.eos_token_ids = parse_eos(eos_token_id)
+        self.text = text
+        self.model_folder = model_folder
         self.threads = thread_budget(threads, spin, session_options=session_options)
         source, proto = load_model(model)
         facts = graph_facts(proto)
@@ -251,23 +262,61 @@ class OrtDecoder(TextGenerationMixin):
         if vocab is not None and int(tokens.max()) >= vocab:
             raise ConfigError(f"Invalid prompt: token id {int(tokens.max())} is outside the "
                               f"model's vocabulary [0, {vocab})")
-        # every token but the last generated one is fed to the model and cached
-        num_fed = tokens.shape[0] + max_new_tokens - 1
-        page_size, num_pages = self.cache.page_size, self.cache.num_pages
-        if -(-num_fed // page_size) > num_pages:
-            raise ConfigError(
-                f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
-                f"{shown(max_new_tokens)} need {shown(-(-num_fed // page_size))} pages of "
-                f"{page_size} tokens; the pool has {num_pages}")
-        if self.max_positions is not None and num_fed > self.max_positions:
-            raise ConfigError(
-                f"Invalid prompt: {tokens.shape[0]} prompt tokens + max_new_tokens = "
-                f"{shown(max_new_tokens)} feed {shown(num_fed)} tokens and exceed the model's "
-                f"{self.max_positions} positions (max_positions)")
+        self.check_request(tokens.shape[0], max_new_tokens)
         params = SamplingParams(temperature, top_k, top_p)
         eos = self.eos_token_ids if eos_token_id is None else parse_eos(eos_token_id)
         rng = None if params.greedy else make_rng(seed)
         return Request(tokens, max_new_tokens, eos, params, rng, salt)
+
+    @property
+    def context_length(self) -> int:
+        """The model's positions (:attr:`max_positions`), or the pool's tokens
+        when the model sets no limit."""
+        return self.pool_tokens if self.max_positions is None else self.max_positions
+
+    @property
+    def pool_tokens(self) -> int:
+        """Tokens the page pool holds."""
+        return self.cache.num_pages * self.cache.page_size
+
+    def room(self, num_prompt_tokens: int) -> int:
+        """Most new tokens a request of ``num_prompt_tokens`` can ask for (0:
+        the prompt alone does not fit)."""
+        prompt = check_positive_int(num_prompt_tokens, "num_prompt_tokens")
+        return max(0, min(self.context_length, self.pool_tokens) - prompt + 1)
+
+    def check_request(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
+        """Raise unless a request of this size fits the model and the pool.
+
+        Every token but the last generated one takes a position and a slot
+        of the pool, so a request fits when ``num_prompt_tokens +
+        max_new_tokens - 1`` is at most :attr:`context_length` and
+        :attr:`pool_tokens`. The one rule for the library and the server.
+
+        Raises
+        ------
+        DTypeError
+            An argument is not an integer.
+        ConfigError
+            An argument is below 1.
+        ContextLengthExceeded
+            The request does not fit; the message says which setting limits it.
+        """
+        prompt = check_positive_int(num_prompt_tokens, "num_prompt_tokens")
+        new = check_positive_int(max_new_tokens, "max_new_tokens")
+        needed = prompt + new - 1
+        context, pool = self.context_length, self.pool_tokens
+        if needed <= min(context, pool):
+            return
+        if needed > context and self.max_positions is not None:
+            limit = f"context {context:,} positions: the model's limit (max_positions)"
+        else:
+            limit = (f"the pool's {pool:,} tokens (the pool has {self.cache.num_pages:,} pages "
+                     f"of {self.cache.page_size}): raise num_pages")
+        raise ContextLengthExceeded(
+            f"Invalid prompt: prompt {prompt:,} tokens + max_new_tokens {shown(new)} need "
+            f"{shown(needed)} positions (the last new token takes none) > {limit}",
+            num_prompt_tokens=prompt, max_new_tokens=new, context_length=min(context, pool))
 
     def _enqueue(self, reqs: list) -> None:
         with self._lock:

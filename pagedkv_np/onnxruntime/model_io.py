@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import PagedKVError
-from ..layout import check_positive_int, shown
+from ..errors import UnsupportedModelError
+from ..checks import check_positive_int, shown
 
 try:
     import onnxruntime as ort  # noqa: F401 - fail early with the extra to install
@@ -42,7 +42,7 @@ except ImportError as exc:  # pragma: no cover - __init__ reports this first
     raise ImportError(
         "pagedkv_np.onnxruntime needs onnxruntime: pip install 'pagedkv-np[onnx]'") from exc
 
-__all__ = ["UnsupportedModelError", "ModelIO", "FAMILIES", "discover", "graph_facts"]
+__all__ = ["ModelIO", "FAMILIES", "discover", "graph_facts"]
 
 FAMILIES = ("optimum", "gqa")
 
@@ -52,13 +52,6 @@ _KV_DTYPES: dict[str, np.dtype] = {"tensor(float)": np.dtype(np.float32),
                                    "tensor(float16)": np.dtype(np.float16)}
 _INT_DTYPES: dict[str, np.dtype] = {"tensor(int64)": np.dtype(np.int64),
                                     "tensor(int32)": np.dtype(np.int32)}
-
-
-class UnsupportedModelError(PagedKVError, ValueError):
-    """The ONNX model lacks the inputs/outputs of a supported decoder family.
-
-    The message names what is missing or unexpected.
-    """
 
 
 @dataclass(frozen=True)

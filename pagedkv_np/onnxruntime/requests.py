@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DTypeError, RequestFailed
-from ..layout import is_int
+from ..checks import is_int
 from .sampling import SamplingParams
 
 __all__ = ["FINISH_REASONS", "RequestStatus", "StepEvents", "Request", "make_rng",

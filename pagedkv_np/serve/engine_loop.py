@@ -7,7 +7,7 @@ through two thread-safe calls, :meth:`EngineLoop.submit` and
 :meth:`EngineLoop.cancel`, which only append to a command list; the thread
 applies the commands between steps, runs ``step()``, turns each request's
 new tokens into text with that request's own :class:`TextStream` (for the
-server, :class:`pagedkv_np.onnxruntime.streaming.TextStream`), and hands
+server, :class:`pagedkv_np.text.streaming.TextStream`), and hands
 :class:`Update` objects back through the request's ``emit`` callable (for the
 server, a ``loop.call_soon_threadsafe`` into an ``asyncio.Queue``).
 
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 from collections.abc import Callable
 
 from ..errors import PagedKVError
-from ..layout import check_positive_int
+from ..checks import check_positive_int
 from .metrics import ServerMetrics
 
 __all__ = ["EngineLoop", "Job", "Update", "TextStream", "QueueFull", "EngineStopped"]

@@ -18,7 +18,7 @@ from ..errors import ConfigError, PagedKVError
 from .protocol import APIError, GenerationRequest
 
 try:
-    from ..onnxruntime.streaming import TextStream
+    from ..text.streaming import TextStream
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pagedkv_np.serve needs tokenizers and jinja2: "
                       "pip install 'pagedkv-np[serve]'") from exc

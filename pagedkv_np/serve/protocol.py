@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PagedKVError
-from ..layout import is_int
+from ..checks import is_int
 
 __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
            "usage_json", "chat_response", "completion_response", "chat_chunk",

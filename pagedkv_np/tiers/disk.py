@@ -33,7 +33,7 @@ import time
 from collections.abc import Sequence
 
 from ..errors import ConfigError, DTypeError
-from ..layout import check_positive_int
+from ..checks import check_positive_int
 from .base import Tier
 
 __all__ = ["DiskTier", "DEFAULT_DISK_BYTES"]

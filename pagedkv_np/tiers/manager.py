@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import ConfigError
-from ..layout import is_int
+from ..checks import is_int
 from ..prefix import encode_salt
 from .base import (CorruptPage, PageFormat, Tier, TierUnavailable, decode_page, encode_page,
                    page_key, tier_scope)

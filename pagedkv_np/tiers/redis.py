@@ -23,7 +23,7 @@ from typing import Any
 from collections.abc import Sequence
 
 from ..errors import ConfigError, DTypeError
-from ..layout import is_int
+from ..checks import is_int
 from .base import Tier, TierUnavailable
 
 _redis_lib: Any

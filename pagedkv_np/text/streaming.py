@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..errors import ConfigError, DTypeError
-from .text import TextCodec
+from .codec import TextCodec
 
 __all__ = ["Detokenizer", "StopMatcher", "TextStream", "truncate_at_stop"]
 

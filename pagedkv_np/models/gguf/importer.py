@@ -4,7 +4,7 @@
 folder that :class:`~pagedkv_np.onnxruntime.OrtDecoder` and
 onnxruntime-genai both load::
 
-    model.onnx, model.onnx.data   the decoder (pagedkv_np.onnxruntime.graph)
+    model.onnx, model.onnx.data   the decoder (pagedkv_np.models.graph)
     config.json                   Hugging Face style geometry
     generation_config.json        bos / eos
     tokenizer.json                rebuilt from the GGUF vocabulary and merges
@@ -14,8 +14,8 @@ onnxruntime-genai both load::
 Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral without a
 sliding window) and ``qwen2`` (Q/K/V bias); weight types F32, F16, Q8_0,
 Q4_0 and Q4_1. How tensors are read, and how llama.cpp's Q/K row order is
-undone: :mod:`pagedkv_np.onnxruntime.gguf_reader`. The tokenizer:
-:mod:`pagedkv_np.onnxruntime.gguf_tokenizer`.
+undone: :mod:`pagedkv_np.models.gguf.reader`. The tokenizer:
+:mod:`pagedkv_np.models.gguf.tokenizer`.
 
 Weight modes (``weights=``):
 
@@ -54,7 +54,7 @@ it, so a failed import leaves nothing behind.
 
 Command line::
 
-    python -m pagedkv_np.onnxruntime.gguf_import FILE.gguf [--weights q4]
+    python -m pagedkv_np.models.gguf.importer FILE.gguf [--weights q4]
         [--family gqa] [--accuracy-level 0] [--out DIR]
 """
 
@@ -72,13 +72,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
-from .geometry import DecoderGeometry
-from .gguf_reader import (ARCHITECTURES, GGUFFile, GGUFFormatError, kept_blocks,
+from ...errors import ConfigError
+from ..geometry import DecoderGeometry
+from .reader import (ARCHITECTURES, GGUFFile, GGUFFormatError, kept_blocks,
                           read_geometry, read_weights)
-from .gguf_tokenizer import build_tokenizer
-from .graph import build_decoder, save_decoder
-from .model_io import UnsupportedModelError
+from .tokenizer import build_tokenizer
+from ..graph import build_decoder, save_decoder
+from ...errors import UnsupportedModelError
 
 __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
            "import_gguf", "convert_gguf", "cache_dir_default", "file_digest", "main"]
@@ -359,7 +359,7 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
 
 def main(argv: list[str] | None = None) -> int:
     """Convert a GGUF file (see the module docstring); prints the folder."""
-    parser = argparse.ArgumentParser(prog="python -m pagedkv_np.onnxruntime.gguf_import",
+    parser = argparse.ArgumentParser(prog="python -m pagedkv_np.models.gguf.importer",
                                      description="Convert a GGUF file into an ONNX model folder.")
     parser.add_argument("path", help="the .gguf file")
     parser.add_argument("--weights", choices=WEIGHT_MODES, default="q4")

@@ -20,8 +20,8 @@ from typing import Union
 import numpy as np
 
 from ..errors import ConfigError, DTypeError, ShapeError
-from ..layout import check_positive_int
-from .ggml_blocks import BlockQuantized
+from ..checks import check_positive_int
+from .gguf.blocks import BlockQuantized
 
 __all__ = ["DecoderGeometry", "Linear", "weight_names", "check_weights"]
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ConfigError, DTypeError, ShapeError
+from ...errors import ConfigError, DTypeError, ShapeError
 
 __all__ = ["BLOCK_KINDS", "BLOCK_SIZE", "BlockQuantized"]
 

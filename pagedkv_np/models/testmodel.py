@@ -21,7 +21,7 @@ reads:
 
 :func:`reference_logits` runs the same network in NumPy (no cache), so the
 ONNX graphs themselves can be checked. The graph and the NumPy forward pass
-are those of :mod:`pagedkv_np.onnxruntime.graph`, which real-weight models
+are those of :mod:`pagedkv_np.models.graph`, which real-weight models
 are built with too. The LM head is scaled so that logits
 spread over tens of units: greedy argmax then does not hinge on rounding
 differences between batched and unbatched runs. Attention is sharpened (a
@@ -30,7 +30,7 @@ only on the last token; ``tests/test_testmodel.py`` checks both properties.
 
 Command line (writes a model for benchmarks)::
 
-    python -m pagedkv_np.onnxruntime.testmodel model.onnx --family gqa \\
+    python -m pagedkv_np.models.testmodel model.onnx --family gqa \\
         --hidden 512 --layers 4 --heads 8 --kv-heads 2 --vocab 1024
 """
 
@@ -47,11 +47,11 @@ try:
     import onnx
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "pagedkv_np.onnxruntime.testmodel needs onnx: pip install 'pagedkv-np[onnx]'"
+        "pagedkv_np.models.testmodel needs onnx: pip install 'pagedkv-np[onnx]'"
     ) from exc
 
 from ..errors import ConfigError
-from ..layout import check_positive_int
+from ..checks import check_positive_int
 from .graph import FAMILIES, DecoderGeometry, build_decoder
 from .graph import reference_logits as graph_reference_logits
 
@@ -202,7 +202,7 @@ def save_model(model: onnx.ModelProto, path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Write a test decoder to a file (see the module docstring)."""
     parser = argparse.ArgumentParser(
-        prog="python -m pagedkv_np.onnxruntime.testmodel",
+        prog="python -m pagedkv_np.models.testmodel",
         description="Write a seeded random Llama-style ONNX decoder.")
     parser.add_argument("path", help="output .onnx file")
     parser.add_argument("--family", choices=FAMILIES, default="optimum")

@@ -20,7 +20,7 @@ try:
     from onnx import TensorProto, helper, numpy_helper
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "pagedkv_np.onnxruntime.onnx_data needs onnx: pip install 'pagedkv-np[onnx]'") from exc
+        "pagedkv_np.models.onnx_data needs onnx: pip install 'pagedkv-np[onnx]'") from exc
 
 __all__ = ["ExternalData", "INLINE_BYTES", "save_decoder"]
 
@@ -76,7 +76,7 @@ def save_decoder(model: onnx.ModelProto, folder: str | os.PathLike,
     """Write ``folder/filename`` with its weights in ``folder/filename + '.data'``.
 
     A model built with ``external_data=folder/filename + '.data'`` (see
-    :func:`~pagedkv_np.onnxruntime.graph.build_decoder`) has its weights
+    :func:`~pagedkv_np.models.graph.build_decoder`) has its weights
     there already and only the graph is written; otherwise tensors of
     :data:`INLINE_BYTES` or more are moved to that file now.
     """

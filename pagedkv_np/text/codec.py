@@ -9,7 +9,7 @@ tokens and the chat templates of a model folder. Templates are rendered as
 non-ASCII text as it is.
 
 Streaming decode and stop strings live in
-:mod:`pagedkv_np.onnxruntime.streaming`.
+:mod:`pagedkv_np.text.streaming`.
 
 Needs the ``models`` extra: ``pip install 'pagedkv-np[models]'``.
 """
@@ -24,7 +24,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from ..errors import ConfigError, DTypeError, PagedKVError
+from ..errors import (ChatTemplateError, ConfigError, DTypeError, MissingModelFile,
+                      ModelFolderError)
 
 try:
     import jinja2
@@ -33,25 +34,10 @@ try:
     import jinja2.sandbox
     import tokenizers
 except ImportError as exc:
-    raise ImportError("pagedkv_np.onnxruntime.text needs tokenizers and jinja2: "
+    raise ImportError("pagedkv_np.text.codec needs tokenizers and jinja2: "
                       "pip install 'pagedkv-np[models]'") from exc
 
-__all__ = ["ChatTemplateError", "ModelFolderError", "MissingModelFile", "TextCodec",
-           "check_messages", "read_json_object"]
-
-
-class ChatTemplateError(PagedKVError, ValueError):
-    """A chat template is missing, does not compile, or failed while rendering
-    (including a template's own ``raise_exception``)."""
-
-
-class ModelFolderError(ConfigError):
-    """A model folder lacks a file or a field that loading needs; the message
-    names it."""
-
-
-class MissingModelFile(ModelFolderError, FileNotFoundError):
-    """A file that a model folder needs is not there."""
+__all__ = ["TextCodec", "check_messages", "read_json_object"]
 
 
 def read_json_object(path: str, required: bool = True) -> dict:

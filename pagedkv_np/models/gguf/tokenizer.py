@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .model_io import UnsupportedModelError
+from ...errors import UnsupportedModelError
 
 try:
     import tokenizers

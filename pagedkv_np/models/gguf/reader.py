@@ -2,9 +2,9 @@
 
 :class:`GGUFFile` reads the metadata and tensor table with the ``gguf``
 package; :func:`read_geometry` turns the metadata into a
-:class:`~pagedkv_np.onnxruntime.geometry.DecoderGeometry` and
+:class:`~pagedkv_np.models.geometry.DecoderGeometry` and
 :func:`read_weights` the tensors into the weights that
-:func:`~pagedkv_np.onnxruntime.graph.build_decoder` takes.
+:func:`~pagedkv_np.models.graph.build_decoder` takes.
 
 llama.cpp's converter stores the ``llama`` architecture's Q and K rows
 permuted for its interleaved RoPE (within each head, rows ``j`` and
@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from .geometry import DecoderGeometry, Linear
-from .ggml_blocks import BlockQuantized
-from .model_io import UnsupportedModelError
+from ...errors import ConfigError
+from ..geometry import DecoderGeometry, Linear
+from .blocks import BlockQuantized
+from ...errors import UnsupportedModelError
 
 try:
     import gguf
@@ -176,7 +176,7 @@ def kept_blocks(mode: str, accuracy_level: int) -> dict:
 
 def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: dict
              ) -> tuple[DecoderGeometry, dict[str, Linear]]:
-    """The weights that :func:`~pagedkv_np.onnxruntime.graph.build_decoder` takes.
+    """The weights that :func:`~pagedkv_np.models.graph.build_decoder` takes.
 
     Parameters
     ----------

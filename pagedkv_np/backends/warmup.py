@@ -1,6 +1,6 @@
 """Compiling the Numba kernels ahead of use (:func:`warmup`).
 
-Its own module, apart from :mod:`pagedkv_np._jit` (the kernels' compile
+Its own module, apart from :mod:`pagedkv_np.backends.jit` (the kernels' compile
 policy, which the kernel modules import): it drives the Numba backend, so
 keeping it in ``_jit`` would make ``_jit`` and the backend import each other.
 """
@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
-    from .backends.numba_cpu import NumbaBackend
+    from .numba_cpu import NumbaBackend
 
 __all__ = ["warmup"]
 
@@ -48,9 +48,9 @@ def warmup(
     DTypeError, LayoutError
         An unknown dtype or layout.
     """
-    from .backends import get_backend
-    from .layout import OutputLayout, StoreLayout, resolve_dtype
-    from .quant import resolve_quant
+    from . import get_backend
+    from ..layout import OutputLayout, StoreLayout, resolve_dtype
+    from ..quant import resolve_quant
 
     start = time.perf_counter()
     # the registry types it as a Backend; "numba" is the NumbaBackend

