@@ -366,7 +366,8 @@ class PagedKVCache:
 
     def gather(self, layer: int, plan: Plan, layout: str | OutputLayout | None = None,
                out: tuple[Any, Any] | None = None,
-               num_positions: int | None = None, dtype: Any = None) -> tuple[Any, Any]:
+               num_positions: int | None = None, dtype: Any = None,
+               host: bool = False) -> tuple[Any, Any]:
         """Gather one layer's K/V of the plan's sequences into contiguous arrays.
 
         Parameters
@@ -382,6 +383,9 @@ class PagedKVCache:
         dtype : {"float32", "float16", "bfloat16"}, optional
             For an int8 cache, the dtype K/V are dequantized into (that of
             ``out`` when given, else float32); otherwise the cache's dtype.
+        host : bool
+            Return host NumPy arrays (``out``, when given, is host memory):
+            a device backend gathers on its device and copies down.
 
         Returns
         -------
@@ -393,7 +397,7 @@ class PagedKVCache:
             if layout is None:
                 layout = self.gather_layout
             return self._io.gather(layer, plan, layout, out, num_positions, dtype,
-                                   state.prepared)
+                                   state.prepared, host)
 
     def is_written(self, plan: Plan) -> bool:
         """Whether every layer has been written through ``plan`` (a plan of

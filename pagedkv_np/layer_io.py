@@ -16,11 +16,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from .backends import Backend
 from .backends.prepared import PreparedIndices
 from .errors import AllocationError, ConfigError, DTypeError, PagedKVError, ShapeError
 from .checks import check_index, is_int, shown
-from .layout import resolve_dtype
+from .layout import OutputLayout, resolve_dtype
 from .plan import Plan
 from .store import KVStore
 
@@ -63,9 +65,12 @@ class LayerIO:
                                prepared=prepared)
 
     def gather(self, layer: Any, plan: Plan, layout: Any, out: Any, num_positions: Any,
-               dtype: Any, prepared: PreparedIndices | None) -> tuple[Any, Any]:
+               dtype: Any, prepared: PreparedIndices | None,
+               host: bool = False) -> tuple[Any, Any]:
         """Gather ``layer`` of the plan's sequences; see :meth:`PagedKVCache.gather`
         (``prepared`` as in :meth:`write`)."""
+        if host and np.ndarray not in self.backend.array_types:
+            return self._gather_to_host(layer, plan, layout, out, num_positions, dtype, prepared)
         layer = self.layer_id(layer)
         if out is None:
             self._check_gather_size(plan, num_positions)
@@ -77,6 +82,23 @@ class LayerIO:
             raise AllocationError(
                 f"Invalid num_positions: the gathered K and V of {plan.num_seqs} "
                 f"sequence(s) could not be allocated ({exc})") from None
+
+    def _gather_to_host(self, layer: Any, plan: Plan, layout: Any, out: Any,
+                        num_positions: Any, dtype: Any,
+                        prepared: PreparedIndices | None) -> tuple[Any, Any]:
+        """A device backend's gather copied down to host NumPy arrays (into
+        ``out`` when given, which is then host memory of the gather's shape)."""
+        to_numpy = self.backend.to_numpy
+        if out is None:
+            k, v = self.gather(layer, plan, layout, None, num_positions, dtype, prepared)
+            return to_numpy(k), to_numpy(v)
+        t_axis = OutputLayout.parse(layout).t_axis
+        gathered = self.gather(layer, plan, layout, None, out[0].shape[t_axis],
+                               out[0].dtype if self.store.quant is not None else dtype,
+                               prepared)
+        for dst, src in zip(out, gathered):
+            dst[...] = to_numpy(src)
+        return out
 
     def _check_gather_size(self, plan: Plan, num_positions: Any) -> None:
         """Refuse output buffers whose size no allocator can take (the

@@ -40,7 +40,6 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import RequestFailed
-from ..plan import Plan
 from .requests import Request, StepEvents
 from .runners import Runner
 from .sampling import sample
@@ -50,23 +49,6 @@ __all__ = ["Batcher"]
 # The GQA decode buffer holds at most this many positions beyond the longest
 # sequence; a longer run is re-gathered into a larger buffer.
 _MAX_HEADROOM = 512
-
-
-def gather_to_host(cache: PagedKVCache, layer: int, plan: Plan,
-                   out: tuple[np.ndarray, np.ndarray] | None = None) -> tuple:
-    """``cache.gather(layer, plan, "BHTD", out=out)`` as host NumPy arrays,
-    which is what onnxruntime's CPU sessions take: a device backend's cache
-    (CuPy) gathers on its GPU and the result is copied down, into ``out``
-    when given."""
-    backend = cache.backend
-    if np.ndarray in backend.array_types:
-        return cache.gather(layer, plan, "BHTD", out=out)
-    if out is None:
-        return tuple(backend.to_numpy(x) for x in cache.gather(layer, plan, "BHTD"))
-    num_positions = out[0].shape[2]
-    for dst, src in zip(out, cache.gather(layer, plan, "BHTD", num_positions=num_positions)):
-        dst[...] = backend.to_numpy(src)
-    return out
 
 
 class Batcher:
@@ -283,7 +265,8 @@ class Batcher:
                 if self.max_positions is not None:
                     capacity = min(capacity, self.max_positions)
                 self.runner.start_batch(
-                    lambda layer, out: gather_to_host(cache, layer, gather_plan, out),
+                    lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out,
+                                                    host=True),
                     np.array(len_list, dtype=np.int64), capacity)
             except Exception as exc:
                 self.forget_batch()
@@ -347,7 +330,7 @@ class Batcher:
                 past = None
                 if num_cached:
                     gather_plan = cache.plan([seq])
-                    past = [gather_to_host(cache, layer, gather_plan)
+                    past = [cache.gather(layer, gather_plan, "BHTD", host=True)
                             for layer in range(self.cache.num_layers)]
                 cache.extend(seq, tokens[num_cached:])
                 plan = cache.plan([seq])

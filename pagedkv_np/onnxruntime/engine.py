@@ -44,8 +44,6 @@ import threading
 from typing import Any
 from collections.abc import Iterable
 
-import numpy as np
-
 from ..cache import PagedKVCache
 from ..errors import ConfigError, ContextLengthExceeded, DTypeError, PagedKVError
 from ..checks import check_positive_int, shown
@@ -59,7 +57,7 @@ from ..tokens import as_tokens
 from .batching import Batcher
 from .model_io import discover, graph_facts
 from .requests import (Request, RequestStatus, StepEvents, check_request_id, make_rng,
-                       parse_eos)
+                       parse_eos, spawn_seeds)
 from .runners import Runner, make_runner
 from .sampling import SamplingParams
 from .session import load_model, make_session
@@ -415,14 +413,7 @@ class OrtDecoder(TextGenerationMixin):
         except TypeError:   # a 0-d array has __iter__ but cannot be iterated
             raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
                              f"got {type(prompts).__name__}") from None
-        seeds: list[np.random.SeedSequence] | list[None]
-        if temperature:
-            try:
-                seeds = np.random.SeedSequence(seed).spawn(len(prompts))
-            except (TypeError, ValueError) as exc:
-                raise DTypeError(f"Invalid seed: {exc}") from None
-        else:
-            seeds = [None] * len(prompts)
+        seeds = spawn_seeds(temperature, seed, len(prompts))
         # every prompt is checked before any is queued
         reqs = [self._new_request(p, max_new_tokens, eos_token_id, temperature, top_k, top_p,
                                   s, salt) for p, s in zip(prompts, seeds)]

@@ -141,6 +141,17 @@ def make_rng(seed: Any) -> np.random.Generator:
         raise DTypeError(f"Invalid seed: expected an int, SeedSequence or None ({exc})") from None
 
 
+def spawn_seeds(temperature: Any, seed: Any, n: int) -> list:
+    """Seeds of ``n`` requests made together: ``SeedSequence(seed).spawn(n)``
+    when sampling, else None each (greedy requests draw nothing)."""
+    if not temperature:
+        return [None] * n
+    try:
+        return list(np.random.SeedSequence(seed).spawn(n))
+    except (TypeError, ValueError) as exc:
+        raise DTypeError(f"Invalid seed: {exc}") from None
+
+
 def check_request_id(request_id: Any) -> int:
     """``request_id`` as an int, else a typed error."""
     if not is_int(request_id):

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..errors import DTypeError, TextUnavailable
+from .requests import parse_eos, spawn_seeds
 
 if TYPE_CHECKING:   # the engine imports this module; text needs the models extra
     from .engine import OrtDecoder
@@ -44,30 +45,6 @@ __all__ = ["TextGenerationMixin", "TextIterator"]
 def _is_conversation_batch(messages: Any) -> bool:
     return (isinstance(messages, (list, tuple)) and len(messages) > 0
             and isinstance(messages[0], (list, tuple)))
-
-
-def _eos_set(eos: Any) -> frozenset[int]:
-    """End tokens as add_request takes them: an int or ints (it checks their range)."""
-    if isinstance(eos, (int, np.integer)) and not isinstance(eos, bool):
-        return frozenset([int(eos)])
-    try:
-        items = list(eos)
-    except TypeError:
-        raise DTypeError(f"Invalid eos_token_id: expected an integer or integers, "
-                         f"got {type(eos).__name__}") from None
-    if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in items):
-        raise DTypeError("Invalid eos_token_id: expected integers")
-    return frozenset(int(t) for t in items)
-
-
-def _seeds(temperature: Any, seed: Any, n: int) -> list:
-    """Per-request seeds, spawned as ``OrtDecoder.generate`` spawns them."""
-    if not temperature:
-        return [None] * n
-    try:
-        return list(np.random.SeedSequence(seed).spawn(n))
-    except (TypeError, ValueError) as exc:
-        raise DTypeError(f"Invalid seed: {exc}") from None
 
 
 class TextIterator:
@@ -256,7 +233,7 @@ class TextGenerationMixin:
         from ..text.streaming import TextStream
 
         dec = self._decoder()
-        eos = dec.eos_token_ids if eos_token_id is None else _eos_set(eos_token_id)
+        eos = dec.eos_token_ids if eos_token_id is None else parse_eos(eos_token_id)
         return TextStream(self._codec(), stop=stop, eos_token_ids=eos)
 
     # --------------------------------------------------------------- running
@@ -264,7 +241,7 @@ class TextGenerationMixin:
                eos_token_id: Any, sampling: dict, seed: Any) -> list[TextIterator]:
         """Queue every prompt (all or none) and return their iterators."""
         streams = [self.text_stream(stop, eos_token_id) for _ in prompts]
-        seeds = _seeds(sampling["temperature"], seed, len(prompts))
+        seeds = spawn_seeds(sampling["temperature"], seed, len(prompts))
         its: list[TextIterator] = []
         dec = self._decoder()
         try:
