@@ -8,6 +8,7 @@ import onnxruntime as ort
 import pytest
 
 from pagedkv_np import ConfigError
+from pagedkv_np.models.geometry import DecoderGeometry
 from pagedkv_np.models.testmodel import DecoderConfig, build_model, main, reference_logits
 
 CONFIG = DecoderConfig()
@@ -122,7 +123,8 @@ def test_cli_writes_a_loadable_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("kw", [dict(hidden_size=30, num_heads=4), dict(num_kv_heads=3),
                                 dict(hidden_size=36, num_heads=4, num_kv_heads=2),
-                                dict(num_layers=0)])
+                                dict(num_layers=0), dict(head_dim=-2),
+                                dict(head_dim=15, hidden_size=60)])
 def test_bad_config(kw):
     with pytest.raises(ConfigError):
         DecoderConfig(**kw)
@@ -131,3 +133,21 @@ def test_bad_config(kw):
 def test_bad_family():
     with pytest.raises(ConfigError, match="family"):
         build_model(family="torch")
+
+
+def test_config_is_the_one_geometry_class():
+    """The test decoder's sizes are the geometry the graph builder and the GGUF
+    reader use, with head_dim and intermediate_size filled in when not given."""
+    assert DecoderConfig is DecoderGeometry
+    c = DecoderConfig(hidden_size=48, num_heads=6, num_kv_heads=3)
+    assert (c.head_dim, c.intermediate_size) == (8, 144)
+    assert DecoderConfig(head_dim=32, intermediate_size=10).head_dim == 32
+
+
+def test_seed_changes_the_weights_only():
+    a, b = build_model(seed=0), build_model(seed=1)
+    assert [i.name for i in a.graph.input] == [i.name for i in b.graph.input]
+    wa = {t.name: t.raw_data for t in a.graph.initializer}
+    wb = {t.name: t.raw_data for t in b.graph.initializer}
+    assert wa["l0.wq"] != wb["l0.wq"]
+    assert reference_logits(CONFIG, [1, 2, 3], seed=1).shape == (3, CONFIG.vocab_size)

@@ -31,16 +31,24 @@ Linear = Union[np.ndarray, BlockQuantized]  # noqa: UP007 - a runtime alias; X |
 
 @dataclass(frozen=True)
 class DecoderGeometry:
-    """Sizes of a Llama-family decoder. ``head_dim`` may differ from
-    ``hidden_size // num_heads``; ``num_heads`` is a multiple of ``num_kv_heads``."""
+    """Sizes of a Llama-family decoder: the one description of a decoder's shape,
+    which the graph builder, the GGUF reader and the test model all take.
 
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+    ``head_dim`` may differ from ``hidden_size // num_heads``; ``num_heads`` is a
+    multiple of ``num_kv_heads``. The defaults are the small test decoder of
+    :mod:`pagedkv_np.models.testmodel` (which calls this class ``DecoderConfig``);
+    ``head_dim = 0`` stands for ``hidden_size // num_heads`` (which must then
+    divide) and ``intermediate_size = 0`` for ``3 * hidden_size``, both filled in
+    when the geometry is made.
+    """
+
+    vocab_size: int = 256
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 0
+    intermediate_size: int = 0
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     max_positions: int = 4096
@@ -49,8 +57,17 @@ class DecoderGeometry:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "intermediate_size", "max_positions"):
+                     "max_positions"):
             check_positive_int(getattr(self, name), name)
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_heads:
+                raise ConfigError(f"Invalid hidden_size: {self.hidden_size} is not a multiple "
+                                  f"of num_heads = {self.num_heads} (give head_dim)")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.intermediate_size == 0:
+            object.__setattr__(self, "intermediate_size", 3 * self.hidden_size)
+        check_positive_int(self.head_dim, "head_dim")
+        check_positive_int(self.intermediate_size, "intermediate_size")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"Invalid num_kv_heads: num_heads = {self.num_heads} is not a "
                               f"multiple of {self.num_kv_heads}")
@@ -64,7 +81,6 @@ class DecoderGeometry:
     @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
-
 
 
 def weight_names(geometry: DecoderGeometry) -> list[str]:

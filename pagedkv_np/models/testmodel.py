@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -51,68 +50,28 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from ..errors import ConfigError
-from ..checks import check_positive_int
-from .graph import FAMILIES, DecoderGeometry, build_decoder
+from .geometry import DecoderGeometry
+from .graph import FAMILIES, build_decoder
 from .graph import reference_logits as graph_reference_logits
 
-__all__ = ["DecoderConfig", "FAMILIES", "make_weights", "geometry", "build_model",
-           "save_model", "reference_logits", "main"]
+__all__ = ["DecoderConfig", "FAMILIES", "LOGIT_SCALE", "QUERY_SCALE", "make_weights",
+           "build_model", "save_model", "reference_logits", "main"]
+
+#: The test decoder's sizes: :class:`~pagedkv_np.models.geometry.DecoderGeometry`
+#: itself, whose defaults are this decoder's (vocabulary 256, hidden 64, 2 layers,
+#: 4 heads, 2 K/V heads, head_dim 16, intermediate 192).
+DecoderConfig = DecoderGeometry
+
+#: the LM head's scale: logits spread over tens of units
+LOGIT_SCALE = 30.0
+#: the query projection's scale: sharper attention than random weights give
+QUERY_SCALE = 2.0
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Sizes and seed of the test decoder.
-
-    ``head_dim = hidden_size // num_heads``; ``num_heads`` must be a multiple
-    of ``num_kv_heads``; ``intermediate_size`` defaults to ``3 * hidden_size``.
-    """
-
-    vocab_size: int = 256
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int | None = None
-    max_positions: int = 4096
-    rope_theta: float = 10000.0
-    rms_eps: float = 1e-5
-    logit_scale: float = 30.0
-    query_scale: float = 2.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                     "max_positions"):
-            check_positive_int(getattr(self, name), name)
-        if self.intermediate_size is not None:
-            check_positive_int(self.intermediate_size, "intermediate_size")
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"Invalid hidden_size: {self.hidden_size} is not a multiple of "
-                              f"num_heads = {self.num_heads}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"Invalid num_kv_heads: num_heads = {self.num_heads} is not a "
-                              f"multiple of {self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"Invalid num_heads: head_dim = {self.head_dim} must be even "
-                              "for rotary embedding")
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def ffn_size(self) -> int:
-        return self.intermediate_size or 3 * self.hidden_size
-
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def make_weights(config: DecoderConfig) -> dict[str, np.ndarray]:
+def make_weights(config: DecoderGeometry, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded float32 weights (``x @ w`` convention: ``w`` is [in, out])."""
-    rng = np.random.default_rng(config.seed)
-    h, d, f = config.hidden_size, config.head_dim, config.ffn_size
+    rng = np.random.default_rng(seed)
+    h, d, f = config.hidden_size, config.head_dim, config.intermediate_size
     nq, nkv = config.num_heads * d, config.num_kv_heads * d
 
     def normal(shape, std):
@@ -121,7 +80,7 @@ def make_weights(config: DecoderConfig) -> dict[str, np.ndarray]:
     w: dict[str, np.ndarray] = {"embed": normal((config.vocab_size, h), 1.0)}
     for i in range(config.num_layers):
         w[f"l{i}.attn_norm"] = (1.0 + normal((h,), 0.1)).astype(np.float32)
-        w[f"l{i}.wq"] = normal((h, nq), config.query_scale / np.sqrt(h))
+        w[f"l{i}.wq"] = normal((h, nq), QUERY_SCALE / np.sqrt(h))
         w[f"l{i}.wk"] = normal((h, nkv), 1.0 / np.sqrt(h))
         w[f"l{i}.wv"] = normal((h, nkv), 1.0 / np.sqrt(h))
         w[f"l{i}.wo"] = normal((nq, h), 1.0 / np.sqrt(nq))
@@ -130,52 +89,43 @@ def make_weights(config: DecoderConfig) -> dict[str, np.ndarray]:
         w[f"l{i}.w_up"] = normal((h, f), 1.0 / np.sqrt(h))
         w[f"l{i}.w_down"] = normal((f, h), 1.0 / np.sqrt(f))
     w["final_norm"] = (1.0 + normal((h,), 0.1)).astype(np.float32)
-    w["lm_head"] = normal((h, config.vocab_size), config.logit_scale / np.sqrt(h))
+    w["lm_head"] = normal((h, config.vocab_size), LOGIT_SCALE / np.sqrt(h))
     return w
 
 
-def geometry(config: DecoderConfig) -> DecoderGeometry:
-    """The graph geometry of the test decoder (separate LM head, no bias)."""
-    return DecoderGeometry(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-        num_layers=config.num_layers, num_heads=config.num_heads,
-        num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-        intermediate_size=config.ffn_size, rope_theta=config.rope_theta,
-        rms_eps=config.rms_eps, max_positions=config.max_positions)
-
-
-def reference_logits(config: DecoderConfig, token_ids: Any,
-                     weights: dict[str, np.ndarray] | None = None) -> np.ndarray:
+def reference_logits(config: DecoderGeometry, token_ids: Any,
+                     weights: dict[str, np.ndarray] | None = None, seed: int = 0) -> np.ndarray:
     """Logits of every position of one sequence, computed in NumPy without a cache.
 
     Parameters
     ----------
     token_ids : sequence of int, length S >= 1
     weights : dict, optional
-        From :func:`make_weights` (made from ``config`` when omitted).
+        From :func:`make_weights` (made from ``config`` and ``seed`` when omitted).
 
     Returns
     -------
     ndarray, shape [S, vocab_size], dtype float32
     """
-    w = make_weights(config) if weights is None else weights
-    return graph_reference_logits(geometry(config), dict(w), token_ids)
+    w = make_weights(config, seed) if weights is None else weights
+    return graph_reference_logits(config, dict(w), token_ids)
 
 
-def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
-                position_ids: bool = True, **sizes: Any) -> onnx.ModelProto:
+def build_model(config: DecoderGeometry | None = None, *, family: str = "optimum",
+                position_ids: bool = True, seed: int = 0) -> onnx.ModelProto:
     """Build the test decoder as an ONNX model.
 
     Parameters
     ----------
     config : DecoderConfig, optional
-        Sizes and seed; keyword ``sizes`` (e.g. ``hidden_size=512``) override
-        its fields.
+        Sizes (default ``DecoderConfig()``).
     family : {"optimum", "gqa"}
         I/O family (see the module docstring).
     position_ids : bool
         Whether an ``"optimum"`` model takes ``position_ids`` (ignored for
         ``"gqa"``, which never does).
+    seed : int
+        Of the random weights (:func:`make_weights`).
 
     Returns
     -------
@@ -185,10 +135,10 @@ def build_model(config: DecoderConfig | None = None, *, family: str = "optimum",
         [B, num_kv_heads, P, head_dim]; outputs ``logits`` float32 [B, S, vocab]
         and present K/V float32 [B, num_kv_heads, P + S, head_dim].
     """
-    config = replace(config or DecoderConfig(), **sizes)
+    config = config or DecoderGeometry()
     if family not in FAMILIES:
         raise ConfigError(f"Invalid family: expected one of {FAMILIES}, got {family!r}")
-    return build_decoder(geometry(config), dict(make_weights(config)), family=family,
+    return build_decoder(config, dict(make_weights(config, seed)), family=family,
                          position_ids=position_ids, name=f"pagedkv_test_decoder_{family}")
 
 
@@ -213,17 +163,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=None)
+    parser.add_argument("--intermediate", type=int, default=0, help="0: 3 x hidden")
     parser.add_argument("--max-positions", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    config = DecoderConfig(vocab_size=args.vocab, hidden_size=args.hidden,
-                           num_layers=args.layers, num_heads=args.heads,
-                           num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
-                           max_positions=args.max_positions, seed=args.seed)
-    model = build_model(config, family=args.family, position_ids=not args.no_position_ids)
+    config = DecoderGeometry(vocab_size=args.vocab, hidden_size=args.hidden,
+                             num_layers=args.layers, num_heads=args.heads,
+                             num_kv_heads=args.kv_heads, intermediate_size=args.intermediate,
+                             max_positions=args.max_positions)
+    model = build_model(config, family=args.family, position_ids=not args.no_position_ids,
+                        seed=args.seed)
     save_model(model, args.path)
-    print(f"wrote {args.path}: {args.family} family, {config}")
+    print(f"wrote {args.path}: {args.family} family, seed {args.seed}, {config}")
     return 0
 
 
