@@ -105,6 +105,10 @@ class Tier(abc.ABC):
     """
 
     name = "tier"
+    #: Entries larger than this are neither stored nor read (None: no bound
+    #: but the tier's own); the cache sets it to the size of its entries, so
+    #: that whatever else sits under a key is never read whole.
+    max_entry_bytes: int | None = None
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -160,6 +164,12 @@ class PageFormat:
     @property
     def nbytes(self) -> int:
         return sum(int(np.prod(s)) * d.itemsize for s, d in self.parts)
+
+    def entry_nbytes(self, key_size: int, digest_size: int) -> int:
+        """Bytes of an entry of this format (see :func:`encode_page`), with
+        keys of ``key_size`` and digests of ``digest_size`` bytes."""
+        meta = 5 * _LEN.size + key_size + 2 * digest_size + 8 * self.page_size + len(self.descr)
+        return _HEAD.size + meta + self.nbytes + _CRC.size
 
     def split(self, payload: memoryview) -> list[np.ndarray]:
         """Read-only arrays over ``payload`` (length :attr:`nbytes`), one per part."""

@@ -19,7 +19,22 @@ calls. Three hooks, each called with the cache's lock held:
 
 An entry is served only if its CRC holds and its key, chained digest,
 parent digest, tokens and format all equal the requester's; anything else
-is counted as ``rejected``, discarded from its tier and never served.
+is counted as ``rejected``, discarded from its tier (by the writer thread)
+and never served.
+
+No tier I/O runs in a thread that holds the cache's lock. Writes and
+discards run in the writer thread, which takes the lock only to copy a
+page from the store. A load's reads must happen while ``add_sequence``
+holds the lock, because the pages they fill are allocated and chained
+under the parent page its RAM lookup found, in one step that no other
+caller may interleave with; so they run in the manager's reader thread,
+and ``load`` waits for them ``read_timeout`` seconds at most in all. A read
+still running then is abandoned (its pages are misses), and until it
+returns the tiers are skipped at once: a hung file system or server costs
+one ``read_timeout`` under the lock, never an unbounded wait. (Reading
+without the lock would take a two-phase ``add_sequence``: keys under the
+lock, reads without it, then the parent checked again and the pages
+installed under it.)
 """
 
 from __future__ import annotations
@@ -37,6 +52,7 @@ from ..checks import is_int
 from ..prefix import encode_salt
 from .base import (CorruptPage, PageFormat, Tier, TierUnavailable, decode_page, encode_page,
                    page_key, tier_scope)
+from .worker import Reader, ReaderBusy, WriteQueue
 
 __all__ = ["TierManager", "attach_tiers", "flat_stats"]
 
@@ -54,6 +70,14 @@ class _Pending:
     arrays: list | None = None
     blob: bytes | memoryview | None = None    # an entry already encoded (a promotion)
     targets: tuple = ()             # tier indexes; () = every tier
+
+
+@dataclass
+class _Discard:
+    """An entry of tier ``tier_idx`` that failed verification, to remove."""
+
+    tier_idx: int
+    key: bytes
 
 
 class TierManager:
@@ -74,13 +98,13 @@ class TierManager:
     queue_size : int
         Pages waiting to be written at most; more are dropped and counted.
     read_timeout : float
-        No further tier is asked once an admission has spent this long on
-        tier reads (each Redis call is bounded by the tier's own timeout).
+        Seconds an admission waits for tier reads at most, all tiers
+        together; a read still running then is abandoned and its pages are
+        misses.
     """
 
     def __init__(self, tiers: Sequence[Tier], store: Any, index: Any, lock: Any, model_id: str,
                  queue_size: int = 256, read_timeout: float = 1.0) -> None:
-        from .worker import WriteQueue
         if not is_int(queue_size) or queue_size < 1:
             raise ConfigError(f"Invalid queue_size: expected an integer >= 1, got {queue_size!r}")
         queue_size = int(queue_size)
@@ -92,13 +116,19 @@ class TierManager:
         self.format = PageFormat.from_store(store)
         self.model_id = model_id
         self.scope = tier_scope(model_id, self.format)
+        entry_nbytes = self.format.entry_nbytes(len(self.key(None, b"")),
+                                                len(index.root(None)[0]))
+        for tier in self.tiers:   # anything larger under a key is not one of our entries
+            tier.max_entry_bytes = entry_nbytes
         self.read_timeout = float(read_timeout)
         self._pending: dict[int, _Pending] = {}   # queued, not copied yet
         self._unsent: dict[int, _Pending] = {}    # dropped when offered; retried on eviction
         # the writer holds the manager weakly, so a dropped cache is collected
         write = weakref.WeakMethod(self._write)
         self._queue = WriteQueue(queue_size, lambda batch: _call_alive(write, batch))
-        self._finalizer = weakref.finalize(self, _close, self._queue, list(self.tiers))
+        self._reader = Reader()
+        self._finalizer = weakref.finalize(self, _close, self._queue, self._reader,
+                                           list(self.tiers))
 
     # ------------------------------------------------------------- writing
     def key(self, salt: Any, digest: bytes) -> bytes:
@@ -147,10 +177,20 @@ class TierManager:
             then(page_id)
         return on_evict
 
-    def _write(self, batch: list[_Pending]) -> None:
-        """In the writer thread: copy, encode and put a batch of pages."""
+    def _write(self, batch: list[_Pending | _Discard]) -> None:
+        """In the writer thread: discard rejected entries, then copy, encode
+        and put a batch of pages."""
+        for tier_idx, tier in enumerate(self.tiers):
+            keys = [d.key for d in batch if isinstance(d, _Discard) and d.tier_idx == tier_idx]
+            if keys:
+                try:
+                    tier.discard(keys)
+                except Exception:
+                    tier.stats.add(errors=1)
         per_tier: list[list[tuple[bytes, bytes | memoryview]]] = [[] for _ in self.tiers]
         for item in batch:
+            if isinstance(item, _Discard):
+                continue
             blob = item.blob
             if blob is None and item.arrays is None:
                 with self._lock:
@@ -243,7 +283,7 @@ class TierManager:
             if len(found) == num or time.monotonic() >= deadline:
                 break
             first = len(found)
-            got = self._read(tier, keys[first:])
+            got = self._read(tier, keys[first:], deadline)
             for j, blob in enumerate(got):
                 if blob is None:
                     tier.stats.add(misses=len(got) - j)
@@ -277,11 +317,13 @@ class TierManager:
         index.count_hit(len(page_ids) * page_size)
         return page_ids, new_digests, new_ids
 
-    def _read(self, tier: Tier, keys: list[bytes]) -> list[bytes | None]:
+    def _read(self, tier: Tier, keys: list[bytes], deadline: float) -> list[bytes | None]:
+        """``tier.get(keys)`` in the reader thread, waited for until ``deadline``
+        (``time.monotonic``); all misses when it fails or is late."""
         t0 = time.perf_counter()
         try:
-            got = tier.get(keys)
-        except TierUnavailable:
+            got = self._reader.call(tier.get, keys, timeout=deadline - time.monotonic())
+        except (TierUnavailable, ReaderBusy):
             tier.stats.add(misses=len(keys))
             return [None] * len(keys)
         except Exception:
@@ -305,10 +347,7 @@ class TierManager:
             ok = False
         if not ok:
             tier.stats.add(rejected=1)
-            try:
-                tier.discard([key])
-            except Exception:
-                tier.stats.add(errors=1)
+            self._queue.submit(_Discard(self.tiers.index(tier), key))   # dropped if full
             return None
         return self.format.split(rec.payload)
 
@@ -334,8 +373,9 @@ def _call_alive(method: Any, batch: list) -> None:
         fn(batch)
 
 
-def _close(queue: Any, tiers: list) -> None:
+def _close(queue: Any, reader: Any, tiers: list) -> None:
     queue.close(5.0)
+    reader.close()
     for tier in tiers:
         try:
             tier.close()
