@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import ConfigError, DTypeError
 from ..checks import is_int, shown
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["SamplingParams", "distribution", "sample"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,49 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a sampled draw chooses from, best first, and their probabilities.
+
+    Logits are shifted by their maximum *before* the division by the
+    temperature: every shifted logit is then <= 0, so dividing by any
+    temperature (down to the smallest subnormal, 5e-324) gives 0 for the best
+    tokens and at worst -inf (probability exactly 0) for the others, never
+    inf - inf = NaN. A temperature too small to tell the best logit from the
+    next one therefore leaves only the best tokens, as greedy would.
+
+    Parameters
+    ----------
+    logits : ndarray, shape [vocab_size], float dtype
+        Finite.
+    params : SamplingParams
+        Not greedy (``temperature > 0``).
+
+    Returns
+    -------
+    ids : ndarray, shape [n], int64
+        Tokens in descending order of logit (equal logits: ascending id),
+        after the ``top_k`` and ``top_p`` cuts.
+    probs : ndarray, shape [n], float64
+        Finite, >= 0, summing to 1; ``probs[0] > 0``.
+    """
+    row = logits.astype(np.float64)
+    with np.errstate(over="ignore"):   # -big / tiny temperature -> -inf: probability 0
+        scaled = (row - row.max()) / params.temperature
+    if 0 < params.top_k < scaled.shape[0]:
+        keep = np.argpartition(scaled, -params.top_k)[-params.top_k:]
+    else:
+        keep = np.arange(scaled.shape[0])
+    # stable descending order: equal logits keep ascending ids, so the draw
+    # does not depend on argpartition's arbitrary tie order
+    keep = keep[np.lexsort((keep, -scaled[keep]))]
+    probs = np.exp(scaled[keep])   # scaled[keep[0]] == 0: probs[0] == 1 before normalising
+    probs /= probs.sum()
+    if params.top_p < 1.0:
+        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
+        keep, probs = keep[:cut], probs[:cut] / probs[:cut].sum()
+    return keep.astype(np.int64, copy=False), probs
+
+
 def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator | None) -> int:
     """Pick the next token.
 
@@ -74,20 +117,10 @@ def sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator 
     """
     if params.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
-    if 0 < params.top_k < scaled.shape[0]:
-        keep = np.argpartition(scaled, -params.top_k)[-params.top_k:]
-    else:
-        keep = np.arange(scaled.shape[0])
-    # stable descending order: equal logits keep ascending ids, so the draw
-    # does not depend on argpartition's arbitrary tie order
-    keep = keep[np.lexsort((keep, -scaled[keep]))]
-    probs = np.exp(scaled[keep] - scaled[keep[0]])
-    probs /= probs.sum()
-    if params.top_p < 1.0:
-        cut = int(np.searchsorted(np.cumsum(probs), params.top_p)) + 1
-        keep, probs = keep[:cut], probs[:cut] / probs[:cut].sum()
+    keep, probs = distribution(logits, params)
     # rng is None only with greedy params, which returned above
     idx = int(np.searchsorted(np.cumsum(probs), rng.random(),  # type: ignore[union-attr]
                               side="right"))
-    return int(keep[min(idx, keep.shape[0] - 1)])
+    # a cumulative sum that rounds below the draw must not reach the
+    # zero-probability tail
+    return int(keep[min(idx, int(np.flatnonzero(probs)[-1]))])
