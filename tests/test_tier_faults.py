@@ -1,6 +1,7 @@
 """The disk tier against what else may sit in or happen to its directory:
 special files and links at an entry's name, linked shard directories, a
-full disk, refused permissions, a read that hangs.
+full disk, refused permissions, a read that hangs, a first start that
+fails while writing the secret.
 
 Every risky call runs under a deadline (:func:`within`), and every test
 checks that a fault is a miss or a failed store, never a wrong K/V (the
@@ -11,20 +12,25 @@ tier's directory.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
 import numpy as np
 import pytest
 
-from pagedkv_np import PagedKVCache
+from pagedkv_np import ConfigError, PagedKVCache
 from pagedkv_np.tiers import PageFormat, decode_page, encode_page
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 8, 4
 PROMPT = list(range(100, 100 + 4 * PAGE + 3))     # 4 full pages and a tail
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE = 20.0
 
 
@@ -390,3 +396,68 @@ def test_a_hung_read_holds_add_sequence_one_read_timeout_at_most(tmp_path, expec
     assert seq.num_cached_tokens == 4 * PAGE and disk_stats(b)["hits"] == 4
     finish(b, seq, PROMPT, expected_kv)
     assert_kv_of_a_cache_without_tiers(b, seq, PROMPT, expected_kv)
+
+
+# ------------------------------------------------------------------ the secret
+START = textwrap.dedent("""
+    import json, resource, signal, sys
+    from pagedkv_np import PagedKVCache
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))   # a full disk
+    try:
+        PagedKVCache(2, 8, 4, 2, 8, backend="numpy", disk_cache=sys.argv[1], model_id="m")
+        print(json.dumps(["started"]))
+    except Exception as exc:
+        print(json.dumps([type(exc).__name__, str(exc)]))
+""")
+
+
+def test_a_first_start_on_a_full_disk_leaves_no_secret_and_the_next_start_works(tmp_path):
+    """The secret cannot be written (files past 16 bytes fail with EFBIG, as
+    a full disk fails with ENOSPC): the start raises ConfigError naming the
+    secret, leaves neither it nor a temporary file, and a start with room
+    makes a 32-byte secret that the next start reads."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", START, str(tmp_path)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    name, message = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert name == "ConfigError" and os.path.join(str(tmp_path), "secret") in message
+    assert [n for n in os.listdir(tmp_path) if n.startswith("secret")] == []
+    cache = within(DEADLINE, make_cache, tmp_path)
+    with open(tmp_path / "secret", "rb") as f:
+        secret = f.read()
+    assert len(secret) == 32 and cache.index.secret == secret
+    assert within(DEADLINE, make_cache, tmp_path).index.secret == secret
+
+
+def test_a_failed_write_of_the_secret_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "write", _failing_write(tmp_path, errno.ENOSPC))
+    with pytest.raises(ConfigError, match="secret"):
+        within(DEADLINE, make_cache, tmp_path)
+    monkeypatch.undo()
+    assert [n for n in os.listdir(tmp_path) if n.startswith("secret")] == []
+    assert len(within(DEADLINE, make_cache, tmp_path).index.secret) == 32
+
+
+def test_an_empty_secret_left_by_an_earlier_failed_start_is_replaced(tmp_path):
+    (tmp_path / "secret").write_bytes(b"")
+    cache = within(DEADLINE, make_cache, tmp_path)
+    assert (tmp_path / "secret").read_bytes() == cache.index.secret and len(
+        cache.index.secret) == 32
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero-link", "directory", "short"])
+def test_a_secret_that_is_not_one_is_a_config_error_not_a_hang(tmp_path, kind):
+    path = str(tmp_path / "secret")
+    if kind == "short":
+        with open(path, "wb") as f:
+            f.write(b"x" * 5)
+    else:
+        SPECIALS[kind](path, None)
+    try:
+        with pytest.raises(ConfigError, match="secret"):
+            within(DEADLINE, make_cache, tmp_path)
+    finally:
+        if kind == "fifo":
+            _unblock(path)

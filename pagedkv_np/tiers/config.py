@@ -8,7 +8,8 @@ Kept apart from :mod:`pagedkv_np.tiers.manager` so that every rule about
 from __future__ import annotations
 
 import os
-import time
+import threading
+from stat import S_ISREG
 from typing import Any
 
 from ..errors import ConfigError, DTypeError
@@ -22,23 +23,53 @@ SECRET_FILE = "secret"
 
 def _disk_secret(directory: str) -> bytes:
     """The secret kept in the disk tier's directory (made on first use), so
-    that a restarted process finds its pages."""
+    that a restarted process finds its pages.
+
+    It is written whole or not at all (a temporary file, flushed, then
+    linked to its name only if no other process made one meanwhile), so a
+    start that fails part way leaves no secret rather than a broken one. An
+    empty file (left by a failed start of an earlier version) is replaced.
+
+    Raises
+    ------
+    ConfigError
+        The secret cannot be written (a full disk, a read-only directory),
+        or what holds its name is not a regular file of 32 bytes.
+    """
+    from .disk import read_regular, write_whole
     path = os.path.join(directory, SECRET_FILE)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        for _ in range(50):   # another process is writing it
-            with open(path, "rb") as f:
-                secret = f.read()
-            if len(secret) == 32:
+        dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"Invalid disk_cache: cannot open {directory!r} ({exc})") from None
+    try:
+        for _ in range(3):     # a file that another process removes meanwhile: look again
+            try:
+                st = os.stat(SECRET_FILE, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            except OSError as exc:
+                raise ConfigError(f"Invalid disk_cache: cannot read {path!r} ({exc})") from None
+            if st is not None and (st.st_size != 0 or not S_ISREG(st.st_mode)):
+                secret = read_regular(dir_fd, SECRET_FILE, 32)
+                if secret is None or len(secret) != 32:
+                    raise ConfigError(f"Invalid disk_cache: {path!r} does not hold a 32-byte "
+                                      "secret (a regular file; remove it to start afresh, "
+                                      "which makes the pages there unreachable)")
                 return secret
-            time.sleep(0.01)
-        raise ConfigError(
-            f"Invalid disk_cache: {path!r} does not hold a 32-byte secret") from None
-    secret = os.urandom(32)
-    with os.fdopen(fd, "wb") as f:
-        f.write(secret)
-    return secret
+            secret = os.urandom(32)
+            try:
+                write_whole(dir_fd, SECRET_FILE, secret, f"{os.getpid()}.{threading.get_ident()}",
+                            replace=st is not None, sync=True)
+            except FileExistsError:
+                continue       # another process made it first: use that one
+            except OSError as exc:
+                raise ConfigError(f"Invalid disk_cache: cannot write the secret {path!r} "
+                                  f"({exc})") from None
+            return secret
+        raise ConfigError(f"Invalid disk_cache: {path!r} keeps changing")
+    finally:
+        os.close(dir_fd)
 
 
 def open_tiers(disk_cache: Any = None, disk_cache_bytes: Any = None, redis_url: Any = None,
