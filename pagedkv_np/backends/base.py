@@ -24,6 +24,14 @@ work say so:
 
 The cache sets all three for the stores it made and the plans it built and
 checked itself, once per step; everyone else should leave the checks on.
+
+Float stores and int8 stores have methods of their own (``write`` /
+``write_quantized``, ``gather`` / ``gather_quantized``) on purpose: an int8
+store is four arrays, not two (codes and per-group scales), its gather takes
+an output dtype that a float gather must refuse, and each pair validates a
+different dtype contract. One method with optional scales would make every
+float call carry and check two ``None`` arguments and every kernel branch on
+them, and would let a float store be written with scales by mistake.
 """
 
 from __future__ import annotations

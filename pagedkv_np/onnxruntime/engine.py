@@ -40,12 +40,13 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import threading
 from typing import Any
 from collections.abc import Iterable
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, ContextLengthExceeded, DTypeError, PagedKVError
+from ..errors import ConfigError, DTypeError, PagedKVError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
 from ..quant import resolve_quant
@@ -55,6 +56,7 @@ from ..threads import thread_budget
 from ..tiers.manager import flat_stats
 from ..tokens import as_tokens
 from .batching import Batcher
+from .limits import RequestLimits
 from .model_io import discover, graph_facts
 from .requests import (Request, RequestStatus, StepEvents, check_request_id, make_rng,
                        parse_eos, spawn_seeds)
@@ -64,6 +66,15 @@ from .session import load_model, make_session
 from .textgen import TextGenerationMixin
 
 __all__ = ["OrtDecoder", "RequestNotFound"]
+
+
+def _model_name(source: Any, model_folder: Any) -> str:
+    """What the repr calls the model: the GGUF file a folder was imported
+    from, else the folder's or file's name."""
+    if model_folder is not None:
+        imported = model_folder.config.get("pagedkv_np", {})
+        return str(imported.get("source") or os.path.basename(model_folder.path))
+    return os.path.basename(source) if isinstance(source, str) else "<ONNX bytes>"
 
 
 class RequestNotFound(PagedKVError, KeyError):
@@ -141,6 +152,9 @@ class OrtDecoder(TextGenerationMixin):
     context_length : int
         The model's positions (``max_positions``), or the pool's tokens for
         a model without a limit (see :meth:`check_request`).
+    limits : RequestLimits
+        What one request may hold (``limits.room(n)``: most new tokens after
+        a prompt of ``n``).
     cache : PagedKVCache
     session : onnxruntime.InferenceSession
     threads : ThreadBudget
@@ -168,6 +182,7 @@ class OrtDecoder(TextGenerationMixin):
         self.model_folder = model_folder
         self.threads = thread_budget(threads, spin, session_options=session_options)
         source, proto = load_model(model)
+        self._model_name = _model_name(source, model_folder)
         facts = graph_facts(proto)
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
@@ -193,6 +208,8 @@ class OrtDecoder(TextGenerationMixin):
                                   redis_url=redis_url, hash_secret=hash_secret,
                                   tier_options=tier_options,
                                   model_id=weights and model_fingerprint(weights, io))
+        self.limits = RequestLimits(self.max_positions, self.cache.num_pages,
+                                    self.cache.page_size)
         self._lock = threading.Lock()          # guards _incoming, _requests
         self._step_lock = threading.RLock()    # serialises steps
         self._ids = itertools.count()
@@ -204,6 +221,13 @@ class OrtDecoder(TextGenerationMixin):
              "num_failed_requests", "num_batch_failures"), 0)
         self._batcher = Batcher(self.cache, make_runner(self.session, io), self.max_batch_size,
                                 self.write_interval, self.max_positions, self._counters)
+
+    def __repr__(self) -> str:
+        cache = self.cache
+        return (f"OrtDecoder(model={self._model_name!r}, context={self.context_length}, "
+                f"pool={cache.num_pages} pages x {cache.page_size} tokens "
+                f"({cache.dtype}, {cache.layout.value}), backend={cache.backend.name!r}, "
+                f"max_batch_size={self.max_batch_size})")
 
     @property
     def _runner(self) -> Runner:
@@ -270,51 +294,13 @@ class OrtDecoder(TextGenerationMixin):
     def context_length(self) -> int:
         """The model's positions (:attr:`max_positions`), or the pool's tokens
         when the model sets no limit."""
-        return self.pool_tokens if self.max_positions is None else self.max_positions
-
-    @property
-    def pool_tokens(self) -> int:
-        """Tokens the page pool holds."""
-        return self.cache.num_pages * self.cache.page_size
-
-    def room(self, num_prompt_tokens: int) -> int:
-        """Most new tokens a request of ``num_prompt_tokens`` can ask for (0:
-        the prompt alone does not fit)."""
-        prompt = check_positive_int(num_prompt_tokens, "num_prompt_tokens")
-        return max(0, min(self.context_length, self.pool_tokens) - prompt + 1)
+        return self.limits.context_length
 
     def check_request(self, num_prompt_tokens: int, max_new_tokens: int) -> None:
-        """Raise unless a request of this size fits the model and the pool.
-
-        Every token but the last generated one takes a position and a slot
-        of the pool, so a request fits when ``num_prompt_tokens +
-        max_new_tokens - 1`` is at most :attr:`context_length` and
-        :attr:`pool_tokens`. The one rule for the library and the server.
-
-        Raises
-        ------
-        DTypeError
-            An argument is not an integer.
-        ConfigError
-            An argument is below 1.
-        ContextLengthExceeded
-            The request does not fit; the message says which setting limits it.
-        """
-        prompt = check_positive_int(num_prompt_tokens, "num_prompt_tokens")
-        new = check_positive_int(max_new_tokens, "max_new_tokens")
-        needed = prompt + new - 1
-        context, pool = self.context_length, self.pool_tokens
-        if needed <= min(context, pool):
-            return
-        if needed > context and self.max_positions is not None:
-            limit = f"context {context:,} positions: the model's limit (max_positions)"
-        else:
-            limit = (f"the pool's {pool:,} tokens (the pool has {self.cache.num_pages:,} pages "
-                     f"of {self.cache.page_size}): raise num_pages")
-        raise ContextLengthExceeded(
-            f"Invalid prompt: prompt {prompt:,} tokens + max_new_tokens {shown(new)} need "
-            f"{shown(needed)} positions (the last new token takes none) > {limit}",
-            num_prompt_tokens=prompt, max_new_tokens=new, context_length=min(context, pool))
+        """Raise :class:`~pagedkv_np.errors.ContextLengthExceeded` unless a
+        request of this size fits the model and the pool: the one rule for the
+        library and the server (:class:`~pagedkv_np.onnxruntime.limits.RequestLimits`)."""
+        self.limits.check(num_prompt_tokens, max_new_tokens)
 
     def _enqueue(self, reqs: list) -> None:
         with self._lock:

@@ -27,17 +27,39 @@ The engine form, for callers that drive ``step`` themselves::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
 from ..errors import DTypeError, TextUnavailable
 from .requests import parse_eos, spawn_seeds
 
-if TYPE_CHECKING:   # the engine imports this module; text needs the models extra
-    from .engine import OrtDecoder
+if TYPE_CHECKING:   # text needs the models extra, the engine does not
     from ..text.streaming import TextStream
     from ..text.codec import TextCodec
+
+
+class TokenEngine(Protocol):
+    """The token-level calls the text methods make (:class:`OrtDecoder` has
+    them): the mixin depends on this, not on the engine's module."""
+
+    eos_token_ids: frozenset
+    text: Any
+
+    def add_request(self, prompt: Any, max_new_tokens: int = ..., **kwargs: Any) -> int: ...
+
+    def step(self) -> Any: ...
+
+    def is_finished(self, request_id: int) -> bool: ...
+
+    def get_output(self, request_id: int) -> list[int]: ...
+
+    def pop_output(self, request_id: int) -> list[int]: ...
+
+    def status(self, request_id: int) -> Any: ...
+
+    def abort(self, request_id: int) -> Any: ...
+
 
 __all__ = ["TextGenerationMixin", "TextIterator"]
 
@@ -70,7 +92,7 @@ class TextIterator:
         (or aborted by another caller), "error" once a step of it failed.
     """
 
-    def __init__(self, decoder: OrtDecoder, request_id: int, stream: TextStream,
+    def __init__(self, decoder: TokenEngine, request_id: int, stream: TextStream,
                  num_prompt_tokens: int) -> None:
         self.decoder = decoder
         self.request_id = request_id
@@ -205,9 +227,9 @@ class TextGenerationMixin:
         return factory(folder.model_path, text=folder.codec, model_folder=folder, **kwargs)
 
     # ------------------------------------------------------------- encoding
-    def _decoder(self) -> OrtDecoder:
+    def _decoder(self) -> TokenEngine:
         # the mixin is only ever a base of OrtDecoder
-        return cast("OrtDecoder", self)
+        return cast(TokenEngine, self)
 
     def _codec(self) -> TextCodec:
         if self.text is None:
