@@ -63,6 +63,40 @@ def vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+#: types gguf.quants.quantize writes; others are written as random blocks
+QUANTIZABLE = (Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+#: byte offsets of a block's float16 fields: its scale d, then (if any) dmin or m
+F16_FIELDS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,),
+              Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2),
+              Q.Q6_K: (208,), Q.IQ4_NL: (0,), Q.IQ4_XS: (0,)}
+
+
+def random_blocks(rng, shape, kind, scale) -> np.ndarray:
+    """uint8 [rows, bytes]: ggml blocks of ``kind`` with random codes and sub-block
+    scales; the float16 fields are set so that the values have mean ~0 and
+    standard deviation ~``scale`` (a test model's activations stay finite)."""
+    rows, cols = shape
+    block, nbytes = gguf.GGML_QUANT_SIZES[kind]
+    raw = rng.integers(0, 256, (rows, cols // block, nbytes), dtype=np.uint8)
+    fields = F16_FIELDS[kind]
+    jitter = rng.uniform(0.5, 1.5, (len(fields), *raw.shape[:2]))
+
+    def decode(factors):
+        out = raw.copy()
+        for at, factor, jit in zip(fields, factors, jitter):
+            out[..., at:at + 2] = (factor * jit).astype(np.float16)[..., None].view(np.uint8)
+        out = out.reshape(rows, -1)
+        return out, gguf.quants.dequantize(out, kind)
+
+    coefs = [1.0]
+    if len(fields) == 2:            # the offset's factor that centres the values
+        _, a = decode([1.0, 0.0])
+        _, m = decode([0.0, 1.0])
+        coefs.append(-a.mean() / m.mean())
+    d = scale / max(float(decode(coefs)[1].std()), 1e-12)
+    return decode([d * c for c in coefs])[0]
+
+
 def interleave_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
     """Rows in llama.cpp's order: within each head, the rows of the first and the
     second half of the head alternate."""
@@ -123,8 +157,11 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm"
         if kind in (Q.F32, Q.F16):
             stored = value.astype(np.float16 if kind == Q.F16 else np.float32)
             decoded = stored.astype(np.float32)
-        else:
+        elif kind in QUANTIZABLE:
             stored = gguf.quants.quantize(value, kind)
+            decoded = gguf.quants.dequantize(stored, kind)
+        else:
+            stored = random_blocks(rng, shape, kind, scale)
             decoded = gguf.quants.dequantize(stored, kind)
         # rows are quantized independently, so interleaving commutes with quantizing
         if permute_heads is not None:
@@ -427,8 +464,8 @@ def _cut(path, keep):
 
 BAD_FILES = {
     "unknown architecture": (dict(arch="falcon"), UnsupportedModelError, "architecture"),
-    "unsupported tensor type": (dict(tensor_types={"blk.1.ffn_up.weight": Q.Q5_0}),
-                                UnsupportedModelError, "blk.1.ffn_up.weight.*Q5_0"),
+    "unsupported tensor type": (dict(tensor_types={"blk.1.ffn_up.weight": Q.IQ4_NL}),
+                                UnsupportedModelError, "blk.1.ffn_up.weight.*IQ4_NL"),
     "missing tensor": (dict(skip=("blk.1.attn_v.weight",)), GGUFFormatError,
                        "blk.1.attn_v.weight"),
     "sentencepiece tokenizer": (dict(tokenizer_model="llama"), UnsupportedModelError,

@@ -196,7 +196,7 @@ def test_bad_geometry_and_weights():
     with pytest.raises(ShapeError, match="blocks"):
         BlockQuantized("q4_1", np.zeros((4, 30), np.uint8))
     with pytest.raises(ConfigError, match="kind"):
-        BlockQuantized("q5_0", np.zeros((4, 22), np.uint8))
+        BlockQuantized("iq4_nl", np.zeros((4, 18), np.uint8))
 
 
 def test_optimum_takes_any_even_head_dim():

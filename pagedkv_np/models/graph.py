@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigError
 from .geometry import DecoderGeometry, Linear, check_weights, weight_names
-from .gguf.blocks import BLOCK_SIZE, BlockQuantized
+from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
 
 __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
@@ -132,7 +132,7 @@ class _Graph:
         self.initializers: list = []
         self.accuracy_level = accuracy_level
         self.data = data
-        self.blocksums: dict[str, str] = {}
+        self.blocksums: dict[tuple[str, int], str] = {}
         self._count = 0
 
     def name(self, hint: str) -> str:
@@ -171,21 +171,24 @@ class _Graph:
             return self.op("MatMul", [x, self.float_init(w, name)], outputs=outputs)
         k, n = w.shape
         parts = w.matmul_nbits()
-        inputs = [self.init(parts["B"], name + ".qweight"),
-                  self.init(parts["scales"], name + ".scales")]
-        if "zero_points" in parts:
-            inputs.append(self.init(parts["zero_points"], name + ".qzeros"))
+        inputs = [self.init(parts.B, name + ".qweight"),
+                  self.init(parts.scales, name + ".scales")]
+        if parts.zero_points is not None:
+            inputs.append(self.init(parts.zero_points, name + ".qzeros"))
         y = self.op("MatMulNBits", [x] + inputs, domain="com.microsoft", K=k, N=n,
-                    bits=8 if w.kind == "q8_0" else 4, block_size=BLOCK_SIZE,
+                    bits=parts.bits, block_size=parts.block_size,
                     accuracy_level=self.accuracy_level,
-                    outputs=outputs if "mins" not in parts else None)
-        if "mins" not in parts:
+                    outputs=outputs if parts.offsets is None else None)
+        if parts.offsets is None:
             return y
-        if x not in self.blocksums:    # q/k/v and gate/up read the same x: sum once
-            blocks = self.op("Reshape", [x, self.const(np.array([0, 0, -1, BLOCK_SIZE], np.int64))])
-            self.blocksums[x] = self.op("ReduceSum", [blocks, self.const(np.array([-1], np.int64))],
-                                        keepdims=0)
-        mins = self.op("MatMul", [self.blocksums[x], self.init(parts["mins"], name + ".mins")])
+        key = (x, parts.block_size)
+        if key not in self.blocksums:    # q/k/v and gate/up read the same x: sum once
+            blocks = self.op("Reshape", [x, self.const(np.array([0, 0, -1, parts.block_size],
+                                                                np.int64))])
+            self.blocksums[key] = self.op("ReduceSum",
+                                          [blocks, self.const(np.array([-1], np.int64))],
+                                          keepdims=0)
+        mins = self.op("MatMul", [self.blocksums[key], self.init(parts.offsets, name + ".mins")])
         return self.op("Add", [y, mins], outputs=outputs)
 
 

@@ -12,17 +12,23 @@ onnxruntime-genai both load::
     genai_config.json             onnxruntime-genai's description of the decoder
 
 Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral without a
-sliding window) and ``qwen2`` (Q/K/V bias); weight types F32, F16, Q8_0,
-Q4_0 and Q4_1. How tensors are read, and how llama.cpp's Q/K row order is
-undone: :mod:`pagedkv_np.models.gguf.reader`. The tokenizer:
+sliding window) and ``qwen2`` (Q/K/V bias); weight types F32, F16, BF16,
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (every type of
+llama.cpp's Q*_K_M / Q*_K_S files; the IQ types, TQ and MXFP4 are refused by
+name from the header). How tensors are read, and how llama.cpp's Q/K row
+order is undone: :mod:`pagedkv_np.models.gguf.reader`; how each type runs:
+:mod:`pagedkv_np.models.gguf.blocks`. The tokenizer:
 :mod:`pagedkv_np.models.gguf.tokenizer`.
 
 Weight modes (``weights=``):
 
-``"q4"``       Q4_0 / Q4_1 tensors stay in their blocks and run as exact
-               4-bit ``MatMulNBits``; Q8_0 tensors become float32 (exact:
-               8-bit MatMulNBits was ~20x slower than a float32 MatMul here)
-               unless ``accuracy_level=4``; F32 / F16 tensors stay as they are.
+``"q4"``       Types whose codes fit in 4 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K)
+               stay in their blocks and run as exact 4-bit ``MatMulNBits``
+               (plus a block-sum term for offsets); the 5-8-bit types (Q5_0,
+               Q5_1, Q5_K, Q6_K, Q8_0) become float32 (exact: 8-bit
+               MatMulNBits was 25-60x slower than a float32 MatMul here)
+               unless ``accuracy_level=4``, which runs them as 8-bit blocks;
+               F16 tensors stay float16, BF16 become float32.
 ``"float32"``  every tensor dequantized to float32.
 ``"float16"``  every matrix stored as float16 (norms stay float32); the
                session casts them to float32 when it loads, so this halves
@@ -64,6 +70,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -73,6 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError
+from ...log import long_wait
 from ..geometry import DecoderGeometry
 from .reader import (ARCHITECTURES, GGUFFile, GGUFFormatError, kept_blocks,
                           read_geometry, read_weights)
@@ -87,6 +95,8 @@ WEIGHT_MODES = ("q4", "float32", "float16")
 FAMILIES = ("gqa", "optimum")
 #: bump when the folder's contents for the same file change
 FORMAT_VERSION = 2
+
+logger = logging.getLogger(__name__)
 
 _digests: dict[tuple[str, int, int], str] = {}
 _digest_lock = threading.Lock()
@@ -175,7 +185,9 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
         pre=f.get("tokenizer.ggml.pre", "gpt-2", kind=str), tokens=tokens,
         token_types=f.get("tokenizer.ggml.token_type", kind=list),
         merges=f.get("tokenizer.ggml.merges", [], kind=list), bos_token_id=bos,
-        add_bos_token=add_bos)
+        add_bos_token=add_bos, scores=f.get("tokenizer.ggml.scores", kind=list),
+        unknown_token_id=f.get("tokenizer.ggml.unknown_token_id"),
+        add_space_prefix=f.get("tokenizer.ggml.add_space_prefix", kind=bool))
     hf_class, _ = ARCHITECTURES[arch]
     token = lambda tid: None if tid is None else tokens[tid]  # noqa: E731
     config = {
@@ -278,7 +290,12 @@ def _write_atomically(path: str, target: Path, opts: _Options, provenance: dict)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)     # mkdtemp's 0700 would hide a shared cache from other users
-        _build(path, tmp, opts, provenance)
+        size_mb = os.path.getsize(path) / 1e6
+        # measured: SmolLM2-135M's 98 MB Q4_1 file in 18 s on 2 busy cores
+        with long_wait(logger, f"importing {os.path.basename(path)} ({size_mb:.0f} MB) "
+                               f"into {target}", f"about {max(1, round(size_mb / 5))} s on "
+                               "2 cores, once: the folder is kept"):
+            _build(path, tmp, opts, provenance)
         try:
             os.replace(tmp, target)
         except OSError:

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...errors import ConfigError
 from ..geometry import DecoderGeometry, Linear
-from .blocks import BlockQuantized
+from .blocks import BLOCK_KINDS, BlockQuantized
 from ...errors import UnsupportedModelError
 
 try:
@@ -38,8 +38,11 @@ __all__ = ["GGUFFormatError", "GGUFFile", "ARCHITECTURES", "SUPPORTED_TYPES", "r
 ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
 
 _Q = gguf.GGMLQuantizationType
-_BLOCKS = {_Q.Q4_0: "q4_0", _Q.Q4_1: "q4_1", _Q.Q8_0: "q8_0"}
-SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1)
+#: GGUF types read as ggml blocks (pagedkv_np.models.gguf.blocks), by kind
+_BLOCKS = {q: q.name.lower() for q in (_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q2_K,
+                                       _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)}
+_FLOATS = (_Q.F32, _Q.F16, _Q.BF16)
+SUPPORTED_TYPES = _FLOATS + tuple(_BLOCKS)
 _LAYER_TENSORS = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_k.weight": "wk",
                   "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk",
                   "attn_v.bias": "bv", "attn_output.weight": "wo", "ffn_norm.weight": "mlp_norm",
@@ -166,12 +169,19 @@ def _unpermute(rows: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def kept_blocks(mode: str, accuracy_level: int) -> dict:
-    """The GGUF types whose blocks the graph runs as MatMulNBits. Q8_0 only with
-    int8 activations: onnxruntime 1.32's 8-bit MatMulNBits at accuracy_level 0
-    took ~20x the time of a float32 MatMul here, and Q8_0 is exact in float32."""
+    """The GGUF types whose blocks the graph runs as MatMulNBits.
+
+    ``"q4"`` mode keeps the types whose codes fit in 4 bits (Q4_0, Q4_1,
+    Q4_K, Q3_K, Q2_K) at any ``accuracy_level``, and the 5-8-bit types
+    (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) only with int8 activations
+    (``accuracy_level=4``): onnxruntime 1.32's 8-bit MatMulNBits at level 0
+    took 15-40x the time of a float32 MatMul here, and float32 holds those
+    values exactly (figures: :mod:`pagedkv_np.models.gguf.blocks`).
+    """
     if mode != "q4":
         return {}
-    return {q: kind for q, kind in _BLOCKS.items() if q != _Q.Q8_0 or accuracy_level == 4}
+    return {q: kind for q, kind in _BLOCKS.items()
+            if BLOCK_KINDS[kind].bits == 4 or accuracy_level == 4}
 
 
 def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: dict
@@ -244,7 +254,11 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
 
 
 def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> Linear:
-    """One tensor as the graph takes it: [in, out] matrices, float vectors."""
+    """One tensor as the graph takes it: [in, out] matrices, float vectors.
+
+    Outside ``blocks``, ``"q4"`` mode keeps F16 matrices as float16 and turns
+    every other type into float32 (exact: a block's values are float32
+    products of its codes and scales)."""
     if key in ("final_norm", "rope_freqs") or key.endswith(("norm", ".bq", ".bk", ".bv")):
         return gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     if key == "embed":      # gathered by rows: float [vocab, hidden]
@@ -257,3 +271,4 @@ def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> 
     else:
         dtype = np.float16 if mode == "float16" else np.float32
     return np.ascontiguousarray(gguf.quants.dequantize(raw, qtype).astype(dtype).T)
+
