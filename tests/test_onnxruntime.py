@@ -552,3 +552,33 @@ def test_import_error_names_the_extra():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert "IMPORT-ERROR" in out and "pip install 'pagedkv-np[onnx]'" in out
+
+
+def test_step_events_say_how_each_request_was_admitted_and_ended():
+    """A caller learns cached prompt tokens and finish reasons from ``step``
+    alone, without asking the engine about each request."""
+    dec = decoder("gqa")
+    first = dec.add_request(SYSTEM + [1, 2, 3], max_new_tokens=2, eos_token_id=[])
+    admitted, statuses = {}, {}
+    for _ in range(20):
+        events = dec.step()
+        admitted.update(events.admitted)
+        statuses.update(events.statuses)
+        if first in statuses:
+            break
+    assert admitted == {first: 0}
+    assert statuses[first].finish_reason == "length"
+    assert statuses[first].num_generated_tokens == 2
+    assert statuses[first] == dec.status(first)
+    # the same system prompt again: it comes from the prefix cache
+    second = dec.add_request(SYSTEM + [4], max_new_tokens=1, eos_token_id=[])
+    third = dec.add_request(SYSTEM + [5], max_new_tokens=5, eos_token_id=[])
+    events = dec.step()
+    cached = len(SYSTEM)   # partial pages too (partial_page_reuse)
+    assert events.admitted == {second: cached, third: cached}
+    assert second in events.finished and third not in events.finished
+    assert events.statuses[second].num_cached_tokens == cached
+    assert set(events.statuses) == set(events.finished)
+    dec.abort(third)
+    events = dec.step()
+    assert events.statuses[third].finish_reason == "abort" and not events.admitted

@@ -102,6 +102,7 @@ class Batcher:
             self.forget_batch()
         events.finished = frozenset(r.rid for r in self.finished_log)
         events.errors = {r.rid: r.error for r in self.finished_log if r.error is not None}
+        events.statuses = {r.rid: r.status() for r in self.finished_log}
         self.finished_log.clear()
         return events
 
@@ -126,7 +127,7 @@ class Batcher:
             self.counters["num_failed_requests"] += 1
         self.finished_log.append(req)
 
-    def _accept(self, req: Request, token: int, events: dict) -> None:
+    def _accept(self, req: Request, token: int, events: StepEvents) -> None:
         req.generated.append(token)
         events.setdefault(req.rid, []).append(token)
         self.counters["num_generated_tokens"] += 1
@@ -221,7 +222,7 @@ class Batcher:
         self._pending = 0
         return True
 
-    def decode(self, events: dict) -> bool:
+    def decode(self, events: StepEvents) -> bool:
         """One token for every running request; returns whether any was preempted."""
         cache, preempted = self.cache, False
         while self.running:
@@ -241,7 +242,7 @@ class Batcher:
         self._retire_finished()
         return preempted
 
-    def _decode_group(self, reqs: list[Request], events: dict) -> list[list[Request]]:
+    def _decode_group(self, reqs: list[Request], events: StepEvents) -> list[list[Request]]:
         """One decode step of ``reqs`` together; returns the groups to run
         again (each request alone, after a failure of the group)."""
         reqs = [r for r in reqs if r.seq is not None and not r.finished]
@@ -313,7 +314,7 @@ class Batcher:
             r.isolate = True
         return [[r] for r in reqs]
 
-    def admit(self, events: dict) -> None:
+    def admit(self, events: StepEvents) -> None:
         cache = self.cache
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
@@ -353,6 +354,7 @@ class Batcher:
             self.running.append(req)
             if not req.admitted:
                 req.admitted, req.num_cached = True, num_cached
+                events.admitted[req.rid] = num_cached
             self.counters["num_prefills"] += 1
             self.counters["prefix_hit_tokens"] += num_cached
             self.counters["prefix_query_tokens"] += tokens.shape[0]

@@ -68,16 +68,24 @@ class StepEvents(dict):
         included), and those aborted since the previous step.
     errors : dict of int to RequestFailed
         The requests of ``finished`` that failed, and why.
+    statuses : dict of int to RequestStatus
+        Each request of ``finished`` as it ended: finish reason, token
+        counts (cached prompt tokens included), error.
+    admitted : dict of int to int
+        Requests first admitted in this step, and how many of their prompt
+        tokens came from the prefix cache.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.finished: frozenset[int] = frozenset()
         self.errors: dict[int, RequestFailed] = {}
+        self.statuses: dict[int, RequestStatus] = {}
+        self.admitted: dict[int, int] = {}
 
     def __repr__(self) -> str:
         return (f"StepEvents({dict.__repr__(self)}, finished={sorted(self.finished)}, "
-                f"errors={sorted(self.errors)})")
+                f"errors={sorted(self.errors)}, admitted={self.admitted})")
 
 
 class Request:
