@@ -1,4 +1,29 @@
-"""A Llama-family decoder's geometry and the names and shapes of its weights.
+"""A decoder's geometry, the names and shapes of its weights, and its RoPE tables.
+
+One pre-norm decoder block serves every architecture the package builds
+(Llama, Qwen2/3, Phi-3, Mistral, Gemma 3); an architecture is a handful of
+fields of :class:`DecoderGeometry` over that block, not a code path of its own:
+
+====================  =====================================================
+field                 what it changes (who uses it)
+====================  =====================================================
+``qkv_bias``          Q/K/V projections have a bias (Qwen2)
+``qk_norm``           RMSNorm of each head's Q and K before RoPE (Qwen3,
+                      Gemma 3)
+``post_norms``        RMSNorm of the attention and MLP outputs before each
+                      residual add (Gemma 3)
+``activation``        ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU, Gemma)
+``embed_scale``       embedding rows are multiplied by it (Gemma: sqrt(hidden))
+``attn_scale``        the query scale (0: ``1 / sqrt(head_dim)``)
+``sliding_window``    a query sees the keys of its last ``sliding_window``
+                      positions, itself included (0: all), in every layer but
+                      ``global_layers`` (Mistral, Phi-3, Gemma 3)
+``rope_local_theta``  the RoPE base of the sliding layers (Gemma 3: 10,000;
+                      0: ``rope_theta``)
+``rope_scale``        linear RoPE scaling of the ``rope_theta`` table
+                      (positions divided by it)
+``final_softcap``     ``logits = cap * tanh(logits / cap)`` (0: none)
+====================  =====================================================
 
 Weight names (``x @ w`` convention, ``w`` is ``[in, out]``)::
 
@@ -7,7 +32,9 @@ Weight names (``x @ w`` convention, ``w`` is ``[in, out]``)::
     l{i}.attn_norm, l{i}.mlp_norm [hidden]
     l{i}.wq [hidden, heads * head_dim]   l{i}.wk, l{i}.wv [hidden, kv_heads * head_dim]
     l{i}.bq, l{i}.bk, l{i}.bv [out]      (only with qkv_bias)
+    l{i}.q_norm, l{i}.k_norm [head_dim]  (only with qk_norm)
     l{i}.wo [heads * head_dim, hidden]
+    l{i}.post_attn_norm, l{i}.post_mlp_norm [hidden]   (only with post_norms)
     l{i}.w_gate, l{i}.w_up [hidden, ffn]  l{i}.w_down [ffn, hidden]
     rope_freqs [head_dim // 2]           (optional: divides each rotary frequency)
 """
@@ -23,7 +50,11 @@ from ..errors import ConfigError, DTypeError, ShapeError
 from ..checks import check_positive_int
 from .gguf.blocks import BlockQuantized
 
-__all__ = ["DecoderGeometry", "Linear", "weight_names", "check_weights"]
+__all__ = ["ACTIVATIONS", "DecoderGeometry", "Linear", "weight_names", "weight_shapes",
+           "check_weights", "rope_tables"]
+
+#: the MLP gate's activation: SwiGLU's SiLU, GeGLU's tanh-approximated GELU
+ACTIVATIONS = ("silu", "gelu_tanh")
 
 #: a linear layer's weight: a float array [in, out] or ggml blocks
 Linear = Union[np.ndarray, BlockQuantized]  # noqa: UP007 - a runtime alias; X | Y needs 3.10 objects
@@ -54,6 +85,16 @@ class DecoderGeometry:
     max_positions: int = 4096
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    post_norms: bool = False
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0
+    sliding_window: int = 0
+    global_layers: tuple[int, ...] = ()
+    rope_local_theta: float = 0.0
+    rope_scale: float = 1.0
+    final_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -77,10 +118,42 @@ class DecoderGeometry:
         if not (self.rope_theta > 0 and self.rms_eps > 0):
             raise ConfigError(f"Invalid rope_theta / rms_eps: expected > 0, got "
                               f"{self.rope_theta} / {self.rms_eps}")
+        if self.activation not in ACTIVATIONS:
+            raise ConfigError(f"Invalid activation: expected one of {ACTIVATIONS}, "
+                              f"got {self.activation!r}")
+        for name in ("embed_scale", "rope_scale"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"Invalid {name}: expected > 0, got {getattr(self, name)!r}")
+        for name in ("attn_scale", "rope_local_theta", "final_softcap"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"Invalid {name}: expected >= 0 (0: none), "
+                                  f"got {getattr(self, name)!r}")
+        if self.sliding_window:
+            check_positive_int(self.sliding_window, "sliding_window")
+        layers = tuple(sorted(set(self.global_layers)))
+        if any(not 0 <= i < self.num_layers for i in layers):
+            raise ConfigError(f"Invalid global_layers: {self.global_layers!r} are not all "
+                              f"layers of 0..{self.num_layers - 1}")
+        object.__setattr__(self, "global_layers", layers)
 
     @property
     def num_groups(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def query_scale(self) -> float:
+        """What the attention scores are multiplied by."""
+        return self.attn_scale or 1.0 / float(np.sqrt(self.head_dim))
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s sliding window (0: it sees every earlier position)."""
+        return 0 if layer in self.global_layers else self.sliding_window
+
+    @property
+    def local_rope(self) -> bool:
+        """Whether the sliding layers have RoPE tables of their own."""
+        return bool(self.sliding_window and self.rope_local_theta
+                    and len(self.global_layers) < self.num_layers)
 
 
 def weight_names(geometry: DecoderGeometry) -> list[str]:
@@ -90,14 +163,20 @@ def weight_names(geometry: DecoderGeometry) -> list[str]:
         names += [f"l{i}.attn_norm", f"l{i}.wq", f"l{i}.wk", f"l{i}.wv"]
         if geometry.qkv_bias:
             names += [f"l{i}.bq", f"l{i}.bk", f"l{i}.bv"]
-        names += [f"l{i}.wo", f"l{i}.mlp_norm", f"l{i}.w_gate", f"l{i}.w_up", f"l{i}.w_down"]
+        if geometry.qk_norm:
+            names += [f"l{i}.q_norm", f"l{i}.k_norm"]
+        names += [f"l{i}.wo"]
+        if geometry.post_norms:
+            names += [f"l{i}.post_attn_norm", f"l{i}.post_mlp_norm"]
+        names += [f"l{i}.mlp_norm", f"l{i}.w_gate", f"l{i}.w_up", f"l{i}.w_down"]
     names.append("final_norm")
     if not geometry.tie_word_embeddings:
         names.append("lm_head")
     return names
 
 
-def _expected_shapes(c: DecoderGeometry) -> dict[str, tuple[int, ...]]:
+def weight_shapes(c: DecoderGeometry) -> dict[str, tuple[int, ...]]:
+    """Every weight name a decoder of ``c`` may have -> its shape."""
     h, f, nq, nkv = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, \
         c.num_kv_heads * c.head_dim
     shapes: dict[str, tuple[int, ...]] = {"embed": (c.vocab_size, h), "final_norm": (h,),
@@ -107,7 +186,9 @@ def _expected_shapes(c: DecoderGeometry) -> dict[str, tuple[int, ...]]:
         shapes.update({f"l{i}.attn_norm": (h,), f"l{i}.mlp_norm": (h,), f"l{i}.wq": (h, nq),
                        f"l{i}.wk": (h, nkv), f"l{i}.wv": (h, nkv), f"l{i}.bq": (nq,),
                        f"l{i}.bk": (nkv,), f"l{i}.bv": (nkv,), f"l{i}.wo": (nq, h),
-                       f"l{i}.w_gate": (h, f), f"l{i}.w_up": (h, f), f"l{i}.w_down": (f, h)})
+                       f"l{i}.w_gate": (h, f), f"l{i}.w_up": (h, f), f"l{i}.w_down": (f, h),
+                       f"l{i}.q_norm": (c.head_dim,), f"l{i}.k_norm": (c.head_dim,),
+                       f"l{i}.post_attn_norm": (h,), f"l{i}.post_mlp_norm": (h,)})
     return shapes
 
 
@@ -122,7 +203,7 @@ def check_weights(c: DecoderGeometry, weights: dict[str, Linear]) -> None:
         A weight has the wrong shape, or is neither a float32/float16 array nor
         (for a matrix other than ``embed``) BlockQuantized.
     """
-    shapes = _expected_shapes(c)
+    shapes = weight_shapes(c)
     for name in weight_names(c) + (["rope_freqs"] if "rope_freqs" in weights else []):
         if name not in weights:
             raise ConfigError(f"Invalid weights: no {name!r}")
@@ -137,3 +218,22 @@ def check_weights(c: DecoderGeometry, weights: dict[str, Linear]) -> None:
         if tuple(w.shape) != shapes[name]:
             raise ShapeError(f"Invalid shape of {name}: expected {list(shapes[name])}, "
                              f"got {list(w.shape)}")
+
+
+def rope_tables(c: DecoderGeometry, freq_factors: np.ndarray | None = None, *,
+                local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32 [max_positions, head_dim // 2] of rotate-half RoPE.
+
+    ``local=True`` gives the sliding layers' tables: base ``rope_local_theta``
+    without ``rope_scale`` when the geometry has one (:attr:`local_rope`), else
+    the same as the others. ``freq_factors`` (a GGUF's ``rope_freqs``, Llama 3's
+    frequency-dependent scaling) divide each frequency.
+    """
+    half = c.head_dim // 2
+    theta, scale = ((c.rope_local_theta, 1.0) if local and c.local_rope
+                    else (c.rope_theta, c.rope_scale))
+    inv_freq = 1.0 / (theta ** (np.arange(half, dtype=np.float64) / half)) / scale
+    if freq_factors is not None:
+        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
+    angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

@@ -1,10 +1,12 @@
-"""The Llama-family decoder graph: geometry and weights in, an ONNX model out.
+"""The decoder graph: geometry and weights in, an ONNX model out.
 
-RMSNorm, rotate-half rotary embedding, grouped-query attention (optional
-Q/K/V bias, as Qwen2 has), a SwiGLU MLP and an LM head that is its own
-matrix or the embedding's transpose. Built with ``onnx.helper``; no torch.
-(Both I/O families and the NumPy reference of the same network stay in this
-one module, a little over 450 lines, so that the two cannot drift apart.)
+One pre-norm block for every architecture: RMSNorm, rotate-half rotary
+embedding, grouped-query attention and a gated MLP, with the variations that
+:class:`~pagedkv_np.models.geometry.DecoderGeometry` describes (Q/K/V bias,
+per-head Q/K RMSNorm, norms after attention and MLP, SwiGLU or GeGLU, a scaled
+embedding, sliding-window layers with RoPE tables of their own, a custom query
+scale, final logit soft-capping) and an LM head that is its own matrix or the
+embedding's transpose. Built with ``onnx.helper``; no torch.
 
 Every linear layer is either a float array (float32, or float16 stored as
 such and cast once when the session loads) or a
@@ -15,8 +17,13 @@ values the blocks encode (a Q4_1 block's offset as a block-sum term).
 The I/O families are those of :mod:`pagedkv_np.onnxruntime.model_io`:
 ``"optimum"`` (MatMul attention, past ++ new K/V into present, optional
 ``position_ids``) and ``"gqa"`` (``com.microsoft.GroupQueryAttention`` with
-cos/sin caches). :func:`reference_logits` is the same network in NumPy,
-without a cache, that the graphs are checked against.
+cos/sin caches). Sliding windows: the ``"gqa"`` family sets the op's
+``local_window_size`` on the sliding layers; the ``"optimum"`` family adds a
+banded mask there, with each key's position taken from the running sum of
+``attention_mask``, so that a past with masked holes (a batch's shorter rows)
+keeps the right distances. :func:`~pagedkv_np.models.reference.reference_logits`
+is the same network in NumPy, without a cache, that the graphs are checked
+against.
 
 Weight names and shapes: :mod:`pagedkv_np.models.geometry`.
 """
@@ -36,9 +43,10 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pagedkv_np.models.graph needs onnx: pip install 'pagedkv-np[onnx]'") from exc
 
 from ..errors import ConfigError
-from .geometry import DecoderGeometry, Linear, check_weights, weight_names
+from .geometry import DecoderGeometry, Linear, check_weights, rope_tables, weight_names
 from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
+from .reference import reference_logits
 
 __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
            "weight_names", "build_decoder", "build_linear", "reference_logits", "rope_tables",
@@ -47,81 +55,6 @@ __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
 FAMILIES = ("optimum", "gqa")
 _OPSET = 17
 _MASK_VALUE = -1e9  # finite, so fully padded rows stay finite (no NaN spreads)
-
-
-def rope_tables(c: DecoderGeometry, freq_factors: np.ndarray | None = None
-                ) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32 [max_positions, head_dim // 2] of rotate-half RoPE."""
-    half = c.head_dim // 2
-    inv_freq = 1.0 / (c.rope_theta ** (np.arange(half, dtype=np.float64) / half))
-    if freq_factors is not None:
-        inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
-    angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-# --------------------------------------------------------------------- NumPy
-
-
-def _dense(w: Linear) -> np.ndarray:
-    return w.dequantize() if isinstance(w, BlockQuantized) else np.asarray(w, np.float32)
-
-
-def reference_logits(geometry: DecoderGeometry, weights: dict[str, Linear],
-                     token_ids: Any) -> np.ndarray:
-    """Logits of every position of one sequence, in float32 NumPy without a cache.
-
-    Parameters
-    ----------
-    geometry : DecoderGeometry
-    weights : dict of str to ndarray or BlockQuantized
-        Names as in the module docstring; blocks are dequantized.
-    token_ids : sequence of int, length S >= 1
-
-    Returns
-    -------
-    ndarray, shape [S, vocab_size], dtype float32
-    """
-    c = geometry
-    w = {name: _dense(value) for name, value in weights.items()}
-    ids = np.asarray(token_ids, dtype=np.int64)
-    s, d, g = ids.shape[0], c.head_dim, c.num_groups
-    cos, sin = rope_tables(c, w.get("rope_freqs"))
-    cos, sin = cos[:s][None], sin[:s][None]          # [1, S, D/2]
-
-    def rms(x, weight):
-        return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + c.rms_eps) * weight
-
-    def rope(x):                                    # [H, S, D]
-        x1, x2 = x[..., : d // 2], x[..., d // 2:]
-        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-    def proj(h, i, which, n):
-        y = h @ w[f"l{i}.w{which}"]
-        if c.qkv_bias:
-            y = y + w[f"l{i}.b{which}"]
-        return y.reshape(s, n, d).transpose(1, 0, 2)
-
-    causal = np.tril(np.ones((s, s), dtype=bool))
-    x = w["embed"][ids]
-    for i in range(c.num_layers):
-        h = rms(x, w[f"l{i}.attn_norm"])
-        q = rope(proj(h, i, "q", c.num_heads))
-        k = np.repeat(rope(proj(h, i, "k", c.num_kv_heads)), g, axis=0)
-        v = np.repeat(proj(h, i, "v", c.num_kv_heads), g, axis=0)
-        scores = q @ k.transpose(0, 2, 1) / np.float32(np.sqrt(d))
-        scores = np.where(causal[None], scores, -np.inf)
-        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        attn = (scores / scores.sum(axis=-1, keepdims=True)) @ v
-        x = x + attn.transpose(1, 0, 2).reshape(s, -1) @ w[f"l{i}.wo"]
-        h = rms(x, w[f"l{i}.mlp_norm"])
-        gate = h @ w[f"l{i}.w_gate"]
-        x = x + (gate / (1.0 + np.exp(-gate)) * (h @ w[f"l{i}.w_up"])) @ w[f"l{i}.w_down"]
-    head = w["embed"].T if c.tie_word_embeddings else w["lm_head"]
-    return (rms(x, w["final_norm"]) @ head).astype(np.float32)
-
-
-# ---------------------------------------------------------------------- ONNX
 
 
 class _Graph:
@@ -227,32 +160,54 @@ class _Layers:
             self.names[name] = self.g.float_init(self.array(name), name)
         return self.names[name]
 
-    def rope(self) -> tuple[np.ndarray, np.ndarray]:
+    def rope(self, local: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin tables of the global (or the sliding) layers."""
         factors = self.array("rope_freqs") if "rope_freqs" in self.w else None
-        return rope_tables(self.c, factors)
+        return rope_tables(self.c, factors, local=local)
 
     def norm(self, x: str, name: str) -> str:
         return _rms_norm(self.g, x, self.vec(name), self.c.rms_eps)
 
     def qkv(self, h: str, i: int) -> list[str]:
+        """Q, K, V [B, S, heads * head_dim], Q and K normed per head with qk_norm."""
+        g, c = self.g, self.c
         out = []
-        for which in "qkv":
-            y = self.g.linear(h, self.w[f"l{i}.w{which}"], f"l{i}.w{which}")
-            if self.c.qkv_bias:
-                y = self.g.op("Add", [y, self.vec(f"l{i}.b{which}")])
+        for which, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+            y = g.linear(h, self.w[f"l{i}.w{which}"], f"l{i}.w{which}")
+            if c.qkv_bias:
+                y = g.op("Add", [y, self.vec(f"l{i}.b{which}")])
+            if c.qk_norm and which != "v":
+                y = g.op("Reshape", [y, g.const(np.array([0, 0, n, c.head_dim], np.int64))])
+                y = self.norm(y, f"l{i}.{which}_norm")
+                y = g.op("Reshape", [y, g.const(np.array([0, 0, n * c.head_dim], np.int64))])
             out.append(y)
         return out
 
+    def act(self, gate: str) -> str:
+        g = self.g
+        if self.c.activation == "silu":
+            return g.op("Mul", [gate, g.op("Sigmoid", [gate])])
+        # tanh GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), standard ops only
+        cube = g.op("Mul", [g.op("Mul", [gate, gate]), gate])
+        inner = g.op("Add", [gate, g.op("Mul", [cube, g.const(np.float32(0.044715))])])
+        t = g.op("Tanh", [g.op("Mul", [inner, g.const(np.float32(np.sqrt(2.0 / np.pi)))])])
+        half = g.op("Mul", [gate, g.const(np.float32(0.5))])
+        return g.op("Mul", [half, g.op("Add", [t, g.const(np.float32(1.0))])])
+
     def finish(self, x: str, attn: str, i: int) -> str:
-        """Residual after attention, then the MLP block."""
+        """Residual after attention, then the MLP block (post-norms before each add)."""
         g, w = self.g, self.w
-        x = g.op("Add", [x, g.linear(attn, w[f"l{i}.wo"], f"l{i}.wo")])
+        out = g.linear(attn, w[f"l{i}.wo"], f"l{i}.wo")
+        if self.c.post_norms:
+            out = self.norm(out, f"l{i}.post_attn_norm")
+        x = g.op("Add", [x, out])
         h = self.norm(x, f"l{i}.mlp_norm")
         gate = g.linear(h, w[f"l{i}.w_gate"], f"l{i}.w_gate")
-        act = g.op("Mul", [gate, g.op("Sigmoid", [gate])])
         up = g.linear(h, w[f"l{i}.w_up"], f"l{i}.w_up")
-        return g.op("Add", [x, g.linear(g.op("Mul", [act, up]), w[f"l{i}.w_down"],
-                                        f"l{i}.w_down")])
+        out = g.linear(g.op("Mul", [self.act(gate), up]), w[f"l{i}.w_down"], f"l{i}.w_down")
+        if self.c.post_norms:
+            out = self.norm(out, f"l{i}.post_mlp_norm")
+        return g.op("Add", [x, out])
 
 
 def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
@@ -268,9 +223,14 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
         running = g.op("Sub", [running, g.const(np.array(1, np.int64))])
         running = g.op("Slice", [running, past_len, total_len, one])
         position_ids = g.op("Max", [running, g.const(np.array(0, np.int64))])
-    cos_tab, sin_tab = layers.rope()
-    cos = g.op("Unsqueeze", [g.op("Gather", [g.const(cos_tab, "cos"), position_ids]), one])
-    sin = g.op("Unsqueeze", [g.op("Gather", [g.const(sin_tab, "sin"), position_ids]), one])
+
+    def rotary(local: bool) -> tuple[str, str]:
+        cos_tab, sin_tab = layers.rope(local)
+        return (g.op("Unsqueeze", [g.op("Gather", [g.const(cos_tab, "cos"), position_ids]), one]),
+                g.op("Unsqueeze", [g.op("Gather", [g.const(sin_tab, "sin"), position_ids]), one]))
+
+    tables = {False: rotary(False)}
+    tables[True] = rotary(True) if c.local_rope else tables[False]
     # additive mask [B, 1, S, T]: key j is visible to query i iff j <= past + i and
     # attention_mask[b, j] == 1
     zero_i, one_i = g.const(np.array(0, np.int64)), g.const(np.array(1, np.int64))
@@ -283,11 +243,20 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
     keep = g.op("Unsqueeze", [keep, g.const(np.array([1, 2], np.int64))])       # [B,1,1,T]
     allowed = g.op("And", [g.op("Unsqueeze", [causal, g.const(np.array([0, 1], np.int64))]),
                            keep])
-    bias = g.op("Where", [allowed, g.const(np.float32(0.0)), g.const(np.float32(_MASK_VALUE))])
-    if c.num_groups > 1:
-        # queries are grouped as [B, kv_heads, groups * S, D]: repeat mask rows per group
-        bias = g.op("Tile", [bias, g.const(np.array([1, 1, c.num_groups, 1], np.int64))])
-    scale = g.const(np.float32(1.0 / np.sqrt(d)))
+    biases = {0: _bias(g, c, allowed)}
+    windows = sorted({c.window(i) for i in range(c.num_layers)} - {0})
+    if windows:
+        # a key's position is its column's running count of unmasked columns, so that
+        # masked holes in the past (a batch's shorter rows) do not count as distance
+        key_pos = g.op("Sub", [g.op("CumSum", ["attention_mask", g.const(np.array(1, np.int64))]),
+                               g.const(np.array(1, np.int64))])
+        query_pos = g.op("Unsqueeze", [position_ids, g.const(np.array([1, 3], np.int64))])
+        behind = g.op("Sub", [query_pos, g.op("Unsqueeze", [key_pos,
+                                                           g.const(np.array([1, 2], np.int64))])])
+        for window in windows:                                                # [B,1,S,T]
+            near = g.op("Less", [behind, g.const(np.array(window, np.int64))])
+            biases[window] = _bias(g, c, g.op("And", [allowed, near]))
+    scale = g.const(np.float32(c.query_scale))
 
     def heads(t: str, n: int) -> str:
         t = g.op("Reshape", [t, g.const(np.array([0, 0, n, d], np.int64))])
@@ -295,6 +264,8 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
 
     for i in range(c.num_layers):
         q, k, v = layers.qkv(layers.norm(x, f"l{i}.attn_norm"), i)
+        cos, sin = tables[c.window(i) > 0]
+        bias = biases[c.window(i)]
         q, k = _rotate(g, heads(q, nh), cos, sin), _rotate(g, heads(k, nkv), cos, sin)
         k_all = g.op("Concat", [f"past_key_values.{i}.key", k], axis=2,
                      outputs=[f"present.{i}.key"])
@@ -311,6 +282,15 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
     return x
 
 
+def _bias(g: _Graph, c: DecoderGeometry, allowed: str) -> str:
+    """The additive attention mask [B, 1 or groups * S, S, T] of a bool one."""
+    bias = g.op("Where", [allowed, g.const(np.float32(0.0)), g.const(np.float32(_MASK_VALUE))])
+    if c.num_groups > 1:
+        # queries are grouped as [B, kv_heads, groups * S, D]: repeat mask rows per group
+        bias = g.op("Tile", [bias, g.const(np.array([1, 1, c.num_groups, 1], np.int64))])
+    return bias
+
+
 def _gqa_layers(layers: _Layers, x: str) -> str:
     g, c = layers.g, layers.c
     # seqlens_k = valid tokens - 1 (right padding), total = mask width, as the
@@ -320,17 +300,22 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
                      to=TensorProto.INT32)
     total_len = g.op("Cast", [g.op("Squeeze", [_shape_at(g, "attention_mask", 1)])],
                      to=TensorProto.INT32)
-    cos_tab, sin_tab = layers.rope()
-    cos, sin = g.const(cos_tab, "cos_cache"), g.const(sin_tab, "sin_cache")
+    caches = {False: tuple(g.const(t, "cos_sin_cache") for t in layers.rope(False))}
+    caches[True] = (tuple(g.const(t, "cos_sin_cache_local") for t in layers.rope(True))
+                    if c.local_rope else caches[False])
     for i in range(c.num_layers):
         q, k, v = layers.qkv(layers.norm(x, f"l{i}.attn_norm"), i)
+        cos, sin = caches[c.window(i) > 0]
+        # local_window_size counts the keys a query sees, itself included (checked
+        # against the NumPy reference in prompt and decode steps); -1: all
         attn = g.op(
             "GroupQueryAttention",
             [q, k, v, f"past_key_values.{i}.key", f"past_key_values.{i}.value",
              seqlens_k, total_len, cos, sin],
             outputs=[g.name("gqa_out"), f"present.{i}.key", f"present.{i}.value"],
             domain="com.microsoft", num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
-            do_rotary=1, rotary_interleaved=0, local_window_size=-1)[0]
+            do_rotary=1, rotary_interleaved=0, scale=float(c.query_scale),
+            local_window_size=c.window(i) or -1)[0]
         x = layers.finish(x, attn, i)
     return x
 
@@ -338,15 +323,25 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
 def _lm_head(layers: _Layers, x: str) -> None:
     g, c, w = layers.g, layers.c, layers.w
     h = layers.norm(x, "final_norm")
+    out = g.name("raw_logits") if c.final_softcap else "logits"
     if not c.tie_word_embeddings:
-        g.linear(h, w["lm_head"], "lm_head", out="logits")
-        return
+        g.linear(h, w["lm_head"], "lm_head", out=out)
+    else:
+        _tied_head(layers, h, out)
+    if c.final_softcap:
+        cap = np.float32(c.final_softcap)
+        capped = g.op("Tanh", [g.op("Mul", [out, g.const(np.float32(1.0) / cap)])])
+        g.op("Mul", [capped, g.const(cap)], outputs=["logits"])
+
+
+def _tied_head(layers: _Layers, h: str, out: str) -> None:
+    g, c = layers.g, layers.c
     # the embedding's transpose without a second copy: Gemm reads it transposed
     flat = g.op("Reshape", [h, g.const(np.array([-1, c.hidden_size], np.int64))])
     logits = g.op("Gemm", [flat, layers.vec("embed")], transB=1)
     shape = g.op("Concat", [_shape_at(g, "input_ids", 0), _shape_at(g, "input_ids", 1),
                             g.const(np.array([c.vocab_size], np.int64))], axis=0)
-    g.op("Reshape", [logits, shape], outputs=["logits"])
+    g.op("Reshape", [logits, shape], outputs=[out])
 
 
 def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
@@ -412,6 +407,8 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
     layers = _Layers(g, c, weights)
     embed = layers.vec("embed")
     x = g.op("Gather", [embed, "input_ids"], axis=0)
+    if c.embed_scale != 1.0:
+        x = g.op("Mul", [x, g.const(np.float32(c.embed_scale))])
     use_positions = family == "optimum" and position_ids
     if family == "optimum":
         x = _optimum_layers(layers, x, "position_ids" if use_positions else None)

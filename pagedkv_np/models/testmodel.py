@@ -90,6 +90,18 @@ def make_weights(config: DecoderGeometry, seed: int = 0) -> dict[str, np.ndarray
         w[f"l{i}.w_down"] = normal((f, h), 1.0 / np.sqrt(f))
     w["final_norm"] = (1.0 + normal((h,), 0.1)).astype(np.float32)
     w["lm_head"] = normal((h, config.vocab_size), LOGIT_SCALE / np.sqrt(h))
+    # the architecture options' weights come from a stream of their own, so that
+    # the Llama-style decoder's weights stay what they always were
+    rng = np.random.default_rng([seed, 1])
+    for i in range(config.num_layers):
+        if config.qkv_bias:
+            w.update({f"l{i}.bq": normal((nq,), 0.1), f"l{i}.bk": normal((nkv,), 0.1),
+                      f"l{i}.bv": normal((nkv,), 0.1)})
+        names = ((["q_norm", "k_norm"] if config.qk_norm else [])
+                 + (["post_attn_norm", "post_mlp_norm"] if config.post_norms else []))
+        for name in names:
+            size = d if name in ("q_norm", "k_norm") else h
+            w[f"l{i}.{name}"] = (1.0 + normal((size,), 0.1)).astype(np.float32)
     return w
 
 
