@@ -94,7 +94,7 @@ class Job:
     """
 
     __slots__ = ("prompt_ids", "max_tokens", "stream", "emit", "sampling", "salt", "arrival",
-                 "rid", "num_generated", "last_token_time", "done")
+                 "rid", "num_generated", "num_cached", "last_token_time", "done")
 
     def __init__(self, prompt_ids: Any, max_tokens: int, stream: TextStream,
                  emit: Callable[[Update], None], *, sampling: dict | None = None,
@@ -107,6 +107,7 @@ class Job:
         self.salt = salt
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.rid: int | None = None
+        self.num_cached = 0   # prompt tokens from the prefix cache (StepEvents.admitted)
         self.num_generated = 0
         self.last_token_time: float | None = None
         self.done = False
@@ -282,15 +283,10 @@ class EngineLoop:
             return
         self._finish(job, Update(job.stream.finish(), reason, *counts))
 
-    def _counts(self, job: Job) -> tuple[int, int, int]:
+    @staticmethod
+    def _counts(job: Job) -> tuple[int, int, int]:
         """(prompt tokens, cached prompt tokens, generated tokens)."""
-        num_cached = 0
-        if job.rid is not None:
-            try:
-                num_cached = int(self.decoder.status(job.rid).num_cached_tokens)
-            except PagedKVError:   # already forgotten
-                pass
-        return len(job.prompt_ids), num_cached, job.num_generated
+        return len(job.prompt_ids), job.num_cached, job.num_generated
 
     def _step(self) -> None:
         dec = self.decoder
@@ -306,6 +302,10 @@ class EngineLoop:
         now = time.perf_counter()
         metrics = self.metrics
         finished = events.finished
+        for rid, num_cached in events.admitted.items():
+            admitted = self._active.get(rid)
+            if admitted is not None:
+                admitted.num_cached = num_cached
         for rid, error in events.errors.items():
             failed = self._active.get(rid)
             if failed is not None:
@@ -329,7 +329,8 @@ class EngineLoop:
             metrics.generation_tokens.inc(len(tokens))
             delta = job.stream.push(list(tokens))
             if job.stream.stopped or rid in finished:
-                reason = "stop" if job.stream.stopped else self._reason(job)
+                reason = ("stop" if job.stream.stopped
+                          else self._reason(events.statuses[rid].finish_reason))
                 counts = self._counts(job)
                 self._forget(rid)
                 self._finish(job, Update(delta + job.stream.finish(), reason, *counts))
@@ -339,15 +340,15 @@ class EngineLoop:
         for rid in finished:
             ended = self._active.get(rid)
             if ended is not None:
-                reason = self._reason(ended)
+                reason = self._reason(events.statuses[rid].finish_reason)
                 counts = self._counts(ended)
                 self._forget(rid)
                 self._finish(ended, Update(ended.stream.finish(), reason, *counts))
 
-    def _reason(self, job: Job) -> str:
+    @staticmethod
+    def _reason(engine_reason: str | None) -> str:
         """"stop" (an end token) or "length" (max_tokens) for a finished job."""
-        reason = self.decoder.status(job.rid).finish_reason
-        return "length" if reason == "length" else "stop"
+        return "length" if engine_reason == "length" else "stop"
 
     def _publish(self) -> None:
         try:
