@@ -11,8 +11,9 @@ onnxruntime-genai both load::
     tokenizer_config.json         chat template, bos / eos, add_bos_token
     genai_config.json             onnxruntime-genai's description of the decoder
 
-Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral without a
-sliding window) and ``qwen2`` (Q/K/V bias); weight types F32, F16, BF16,
+Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral), ``qwen2``,
+``qwen3``, ``phi3`` and ``gemma3`` (what each means:
+:mod:`pagedkv_np.models.gguf.reader`); weight types F32, F16, BF16,
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K and Q6_K (every type of
 llama.cpp's Q*_K_M / Q*_K_S files; the IQ types, TQ and MXFP4 are refused by
 name from the header). How tensors are read, and how llama.cpp's Q/K row
@@ -188,16 +189,27 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
         add_bos_token=add_bos, scores=f.get("tokenizer.ggml.scores", kind=list),
         unknown_token_id=f.get("tokenizer.ggml.unknown_token_id"),
         add_space_prefix=f.get("tokenizer.ggml.add_space_prefix", kind=bool))
-    hf_class, _ = ARCHITECTURES[arch]
+    spec = ARCHITECTURES[arch]
     token = lambda tid: None if tid is None else tokens[tid]  # noqa: E731
     config = {
-        "architectures": [hf_class], "model_type": arch, "num_hidden_layers": c.num_layers,
+        "architectures": [spec.hf_class], "model_type": spec.model_type,
+        "num_hidden_layers": c.num_layers,
         "hidden_size": c.hidden_size, "num_attention_heads": c.num_heads,
         "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size, "hidden_act": "silu",
+        "intermediate_size": c.intermediate_size,
+        "hidden_act": "silu" if c.activation == "silu" else "gelu_pytorch_tanh",
         "max_position_embeddings": c.max_positions, "vocab_size": c.vocab_size,
         "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_eps, "bos_token_id": bos,
-        "eos_token_id": eos, "tie_word_embeddings": tied, "torch_dtype": "float32"}
+        "eos_token_id": eos, "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "sliding_window": c.sliding_window or None,
+        "layer_types": [("sliding" if c.window(i) else "full") + "_attention"
+                        for i in range(c.num_layers)],
+        "query_pre_attn_scalar": c.query_scale ** -2,
+        "final_logit_softcapping": c.final_softcap or None,
+        "rope_scaling": ({"rope_type": "linear", "factor": c.rope_scale}
+                         if c.rope_scale != 1.0 else None)}
+    if c.local_rope:
+        config["rope_local_base_freq"] = c.rope_local_theta
     tok_config = {"add_bos_token": add_bos, "add_eos_token": False, "bos_token": token(bos),
                   "eos_token": token(eos), "pad_token": token(pad),
                   "chat_template": f.get("tokenizer.chat_template", kind=str),
@@ -211,7 +223,8 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
     genai = {
         "model": {
             "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
-            "context_length": c.max_positions, "vocab_size": c.vocab_size, "type": arch,
+            "context_length": c.max_positions, "vocab_size": c.vocab_size,
+            "type": spec.genai_type,
             "decoder": {
                 "filename": "model.onnx", "session_options": {"provider_options": []},
                 "head_size": c.head_dim, "hidden_size": c.hidden_size,

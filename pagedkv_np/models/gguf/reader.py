@@ -6,12 +6,38 @@ package; :func:`read_geometry` turns the metadata into a
 :func:`read_weights` the tensors into the weights that
 :func:`~pagedkv_np.models.graph.build_decoder` takes.
 
+Architectures (:data:`ARCHITECTURES`: each an :class:`Architecture`, a few
+facts over the one decoder block of :mod:`pagedkv_np.models.geometry`):
+
+``llama``   Llama 2/3 (``rope_freqs`` for Llama 3's RoPE scaling), SmolLM,
+            TinyLlama, Mistral (with its sliding window, on every layer).
+``qwen2``   Q/K/V bias.            ``qwen3``   per-head Q/K RMSNorm.
+``phi3``    Q/K/V in one ``attn_qkv`` tensor (or three), gate and up in one
+            ``ffn_up`` (gate first), split here by rows; its sliding window is
+            honoured on every layer, as Hugging Face's Phi-3 does (llama.cpp
+            ignores it, so the two differ past the window); LongRoPE factor
+            tensors (128k variants) are refused.
+``gemma3``  Gemma 3 text: one global layer in six (``attention.sliding_window_pattern``
+            when the file has it), the others sliding with a RoPE base of
+            10,000 (``rope.freq_base_swa``); per-head Q/K RMSNorm, norms after
+            attention and MLP, GeGLU (tanh GELU), embeddings scaled by
+            sqrt(hidden); the converter already stored every norm weight as
+            ``1 + w``. The query scale is ``attention.scale`` when present,
+            else llama.cpp's rule: 1/sqrt(head_dim), 1/sqrt(hidden/heads) for
+            the 62-layer 27B model.
+
+Every architecture: linear RoPE scaling (``rope.scaling.type = linear``) and
+final logit soft-capping (``final_logit_softcapping``) are read; attention
+logit soft-capping, YaRN/LongRoPE, experts and partial rotary dimensions are
+refused with :class:`~pagedkv_np.errors.UnsupportedModelError`.
+
 llama.cpp's converter stores the ``llama`` architecture's Q and K rows
 permuted for its interleaved RoPE (within each head, rows ``j`` and
 ``j + d/2`` become neighbours, rows ``2j`` and ``2j + 1``); :func:`read_weights`
 puts them back, so the graph uses rotate-half RoPE as the original model
-does. ``qwen2`` files keep the original order. Rows are whole output
-features, so blocks are reordered as they are, without dequantizing.
+does. The other architectures keep the original order. Rows are whole output
+features, so blocks are reordered (and fused tensors split) as they are,
+without dequantizing.
 """
 
 from __future__ import annotations
@@ -31,11 +57,59 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("reading GGUF files needs gguf: pip install 'pagedkv-np[models]'") from exc
 
-__all__ = ["GGUFFormatError", "GGUFFile", "ARCHITECTURES", "SUPPORTED_TYPES", "read_geometry",
-           "kept_blocks", "read_weights"]
+__all__ = ["GGUFFormatError", "GGUFFile", "Architecture", "ARCHITECTURES", "SUPPORTED_TYPES",
+           "read_geometry", "kept_blocks", "read_weights"]
 
-#: architecture -> (Hugging Face class, Q/K rows permuted by llama.cpp's converter)
-ARCHITECTURES = {"llama": ("LlamaForCausalLM", True), "qwen2": ("Qwen2ForCausalLM", False)}
+
+@dataclasses.dataclass(frozen=True)
+class Architecture:
+    """What a GGUF architecture name means beyond the metadata every file has.
+
+    Attributes
+    ----------
+    hf_class, model_type : str
+        ``config.json``'s ``architectures[0]`` and ``model_type``.
+    genai_type : str
+        ``genai_config.json``'s ``model.type``.
+    permuted_qk : bool
+        llama.cpp's converter permuted the Q/K rows for interleaved RoPE.
+    fused_mlp : bool
+        Gate and up projections in one ``ffn_up`` tensor, gate rows first.
+    sliding : bool
+        ``attention.sliding_window`` is honoured (otherwise it is refused).
+    sliding_period : int
+        With a window, layer ``i`` slides iff ``period == 0`` or
+        ``i % period < period - 1`` (llama.cpp's pattern; 0: every layer).
+    local_rope_theta : float
+        The sliding layers' RoPE base when the file gives none (0: the file's).
+    scaled_embedding : bool
+        Embeddings are multiplied by sqrt(hidden).
+    options : tuple of (str, object)
+        Geometry fields the architecture fixes.
+    """
+
+    hf_class: str
+    model_type: str
+    genai_type: str
+    permuted_qk: bool = False
+    fused_mlp: bool = False
+    sliding: bool = False
+    sliding_period: int = 0
+    local_rope_theta: float = 0.0
+    scaled_embedding: bool = False
+    options: tuple = ()
+
+
+ARCHITECTURES = {
+    "llama": Architecture("LlamaForCausalLM", "llama", "llama", permuted_qk=True, sliding=True),
+    "qwen2": Architecture("Qwen2ForCausalLM", "qwen2", "qwen2"),
+    "qwen3": Architecture("Qwen3ForCausalLM", "qwen3", "qwen3", options=(("qk_norm", True),)),
+    "phi3": Architecture("Phi3ForCausalLM", "phi3", "phi3", fused_mlp=True, sliding=True),
+    "gemma3": Architecture("Gemma3ForCausalLM", "gemma3_text", "gemma3_text", sliding=True,
+                           sliding_period=6, local_rope_theta=10000.0, scaled_embedding=True,
+                           options=(("qk_norm", True), ("post_norms", True),
+                                    ("activation", "gelu_tanh"))),
+}
 
 _Q = gguf.GGMLQuantizationType
 #: GGUF types read as ggml blocks (pagedkv_np.models.gguf.blocks), by kind
@@ -47,7 +121,9 @@ _LAYER_TENSORS = {"attn_norm.weight": "attn_norm", "attn_q.weight": "wq", "attn_
                   "attn_v.weight": "wv", "attn_q.bias": "bq", "attn_k.bias": "bk",
                   "attn_v.bias": "bv", "attn_output.weight": "wo", "ffn_norm.weight": "mlp_norm",
                   "ffn_gate.weight": "w_gate", "ffn_up.weight": "w_up",
-                  "ffn_down.weight": "w_down"}
+                  "ffn_down.weight": "w_down", "attn_q_norm.weight": "q_norm",
+                  "attn_k_norm.weight": "k_norm", "post_attention_norm.weight": "post_attn_norm",
+                  "post_ffw_norm.weight": "post_mlp_norm"}
 _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm",
                 "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs"}
 
@@ -96,8 +172,10 @@ def read_geometry(f: GGUFFile) -> tuple[str, DecoderGeometry]:
     Raises
     ------
     UnsupportedModelError
-        An architecture or feature (experts, sliding window, RoPE scaling, a
-        partial rotary dimension) that is not converted.
+        An architecture or feature (experts, a sliding window where the
+        architecture has none, RoPE scaling other than linear, LongRoPE
+        factors, attention logit soft-capping, a partial rotary dimension)
+        that is not converted.
     GGUFFormatError
         Metadata that is missing or gives no valid geometry.
     """
@@ -107,15 +185,39 @@ def read_geometry(f: GGUFFile) -> tuple[str, DecoderGeometry]:
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(f"{f.path!r}: architecture {arch!r} is not supported; "
                                     f"supported: {', '.join(ARCHITECTURES)}")
+    spec = ARCHITECTURES[arch]
     if f.get(f"{arch}.expert_count", 0):
         raise UnsupportedModelError(f"{f.path!r}: mixture-of-experts models are not supported")
-    if f.get(f"{arch}.attention.sliding_window") is not None:
-        raise UnsupportedModelError(f"{f.path!r}: sliding-window attention is not supported")
+    window = f.get(f"{arch}.attention.sliding_window", 0) or 0
+    if window and not spec.sliding:
+        raise UnsupportedModelError(f"{f.path!r}: sliding-window attention is not supported "
+                                    f"for {arch}")
+    if f.get(f"{arch}.attn_logit_softcapping", 0.0, kind=(int, float)):
+        raise UnsupportedModelError(f"{f.path!r}: attention logit soft-capping is not supported")
+    if "rope_factors_long.weight" in f.tensors or "rope_factors_short.weight" in f.tensors:
+        raise UnsupportedModelError(f"{f.path!r}: LongRoPE (rope_factors_long/short) is not "
+                                    "supported")
     scaling = f.get(f"{arch}.rope.scaling.type", "none", kind=str)
-    if scaling != "none":
+    if scaling not in ("none", "linear"):
         raise UnsupportedModelError(f"{f.path!r}: RoPE scaling {scaling!r} is not supported")
+    rope_scale = 1.0
+    if scaling == "linear":
+        rope_scale = float(f.need(f"{arch}.rope.scaling.factor", (int, float)))
     hidden = f.need(f"{arch}.embedding_length")
     heads = f.need(f"{arch}.attention.head_count")
+    num_layers = f.need(f"{arch}.block_count")
+    options = dict(spec.options)
+    if spec.scaled_embedding:
+        options["embed_scale"] = float(np.sqrt(np.float32(hidden)))
+    if window:
+        options.update(sliding_window=window,
+                       global_layers=_global_layers(f, arch, spec, num_layers),
+                       rope_local_theta=float(f.get(f"{arch}.rope.freq_base_swa",
+                                                    spec.local_rope_theta, kind=(int, float))))
+    scale = f.get(f"{arch}.attention.scale", 0.0, kind=(int, float))
+    if not scale and arch == "gemma3" and num_layers == 62:
+        scale = 1.0 / np.sqrt(hidden / heads)     # 27B: query_pre_attn_scalar = hidden / heads
+    options["attn_scale"] = float(scale)
     head_dim = f.get(f"{arch}.attention.key_length", hidden // max(heads, 1))
     for key in (f"{arch}.attention.value_length", f"{arch}.rope.dimension_count"):
         if f.get(key, head_dim) != head_dim:
@@ -127,21 +229,42 @@ def read_geometry(f: GGUFFile) -> tuple[str, DecoderGeometry]:
     try:
         geometry = DecoderGeometry(
             vocab_size=int(embed.shape[1]), hidden_size=hidden,
-            num_layers=f.need(f"{arch}.block_count"), num_heads=heads,
+            num_layers=num_layers, num_heads=heads,
             num_kv_heads=f.get(f"{arch}.attention.head_count_kv", heads),
             head_dim=head_dim, intermediate_size=f.need(f"{arch}.feed_forward_length"),
             rope_theta=float(f.get(f"{arch}.rope.freq_base", 10000.0, kind=(int, float))),
             rms_eps=float(f.need(f"{arch}.attention.layer_norm_rms_epsilon", (int, float))),
             max_positions=f.need(f"{arch}.context_length"),
             qkv_bias="blk.0.attn_q.bias" in f.tensors,
-            tie_word_embeddings="output.weight" not in f.tensors)
+            tie_word_embeddings="output.weight" not in f.tensors, rope_scale=rope_scale,
+            final_softcap=float(f.get(f"{arch}.final_logit_softcapping", 0.0,
+                                      kind=(int, float))), **options)
     except ConfigError as exc:
         raise GGUFFormatError(f"{f.path!r}: the metadata gives no valid geometry: "
                               f"{exc}") from None
     return arch, geometry
 
 
-def _expected(c: DecoderGeometry) -> dict[str, tuple[int, ...]]:
+def _global_layers(f: GGUFFile, arch: str, spec: Architecture, num_layers: int
+                   ) -> tuple[int, ...]:
+    """The layers that ignore the sliding window: ``attention.sliding_window_pattern``
+    (a period, or one bool per layer, true where the layer slides), else the
+    architecture's period."""
+    pattern = f.get(f"{arch}.attention.sliding_window_pattern", spec.sliding_period,
+                    kind=(int, list))
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers or not all(isinstance(p, bool) for p in pattern):
+            raise GGUFFormatError(f"{f.path!r}: {arch}.attention.sliding_window_pattern is "
+                                  f"not one bool per layer of {num_layers}")
+        return tuple(i for i, sliding in enumerate(pattern) if not sliding)
+    if pattern < 0:
+        raise GGUFFormatError(f"{f.path!r}: {arch}.attention.sliding_window_pattern is "
+                              f"{pattern}, expected >= 0")
+    return tuple(i for i in range(num_layers) if pattern and i % pattern == pattern - 1)
+
+
+def _expected(c: DecoderGeometry, spec: Architecture, fused_qkv: bool
+              ) -> dict[str, tuple[int, ...]]:
     """GGUF tensor name -> its shape as NumPy reads it ([out, in] for matrices)."""
     h, nq, nkv, f = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, \
         c.intermediate_size
@@ -155,6 +278,18 @@ def _expected(c: DecoderGeometry) -> dict[str, tuple[int, ...]]:
         "ffn_gate.weight": (f, h), "ffn_up.weight": (f, h), "ffn_down.weight": (h, f)}
     if c.qkv_bias:
         per_layer.update({"attn_q.bias": (nq,), "attn_k.bias": (nkv,), "attn_v.bias": (nkv,)})
+    if c.qk_norm:
+        per_layer.update({"attn_q_norm.weight": (c.head_dim,),
+                          "attn_k_norm.weight": (c.head_dim,)})
+    if c.post_norms:
+        per_layer.update({"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)})
+    if fused_qkv:
+        for name in ("attn_q.weight", "attn_k.weight", "attn_v.weight"):
+            del per_layer[name]
+        per_layer["attn_qkv.weight"] = (nq + 2 * nkv, h)
+    if spec.fused_mlp:
+        del per_layer["ffn_gate.weight"]
+        per_layer["ffn_up.weight"] = (2 * f, h)
     for i in range(c.num_layers):
         shapes.update({f"blk.{i}.{k}": v for k, v in per_layer.items()})
     return shapes
@@ -204,7 +339,7 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
     (DecoderGeometry, dict)
         The geometry of the graph (a tied head whose blocks are kept becomes
         an ``lm_head`` of its own) and the weights by graph name, Q/K rows
-        back in the original order.
+        back in the original order, fused tensors split.
 
     Raises
     ------
@@ -214,7 +349,9 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
     GGUFFormatError
         A missing tensor, or one whose shape contradicts the metadata.
     """
-    expected = _expected(c)
+    spec = ARCHITECTURES[arch]
+    fused_qkv = spec.fused_mlp and "blk.0.attn_qkv.weight" in f.tensors
+    expected = _expected(c, spec, fused_qkv)
     for name, t in f.tensors.items():
         if name not in expected and name != "rope_freqs.weight":
             raise UnsupportedModelError(f"{f.path!r}: tensor {name!r} is not part of a "
@@ -230,27 +367,39 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
     for name in expected:
         if name not in f.tensors:
             raise GGUFFormatError(f"{f.path!r}: tensor {name!r} is missing")
-    permuted = ARCHITECTURES[arch][1]
     out: dict[str, Linear] = {}
     for name, t in f.tensors.items():
-        if name in _TOP_TENSORS:
-            key = _TOP_TENSORS[name]
-        else:
-            _, layer, rest = name.split(".", 2)
-            key = f"l{layer}.{_LAYER_TENSORS[rest]}"
         try:
             raw = np.array(t.data)              # a copy: nothing keeps the file mapped
         except Exception as exc:
             raise GGUFFormatError(f"{f.path!r}: tensor {name!r} cannot be read: {exc}") from None
-        if permuted and key[-2:] in ("wq", "bq", "wk", "bk"):
-            raw = _unpermute(raw, c.num_heads if key[-1] == "q" else c.num_kv_heads)
-        out[key] = _convert(raw, t.tensor_type, key, mode, blocks)
+        for key, rows in _graph_tensors(name, raw, c, spec):
+            if spec.permuted_qk and key[-2:] in ("wq", "bq", "wk", "bk"):
+                rows = _unpermute(rows, c.num_heads if key[-1] == "q" else c.num_kv_heads)
+            out[key] = _convert(rows, t.tensor_type, key, mode, blocks)
     embed = f.tensors["token_embd.weight"]
     if "lm_head" not in out and embed.tensor_type in blocks:
         # the tied head keeps the embedding's blocks; the graph gets it as its own head
         out["lm_head"] = BlockQuantized(blocks[embed.tensor_type], np.array(embed.data))
         c = dataclasses.replace(c, tie_word_embeddings=False)
     return c, out
+
+
+def _graph_tensors(name: str, raw: np.ndarray, c: DecoderGeometry, spec: Architecture
+                   ) -> list[tuple[str, np.ndarray]]:
+    """A GGUF tensor's rows under their graph names: fused Q/K/V and gate/up split
+    by rows (whole output features, so blocks stay whole)."""
+    if name in _TOP_TENSORS:
+        return [(_TOP_TENSORS[name], raw)]
+    _, layer, rest = name.split(".", 2)
+    nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    if rest == "attn_qkv.weight":
+        parts = {"wq": raw[:nq], "wk": raw[nq:nq + nkv], "wv": raw[nq + nkv:]}
+    elif rest == "ffn_up.weight" and spec.fused_mlp:
+        parts = {"w_gate": raw[:c.intermediate_size], "w_up": raw[c.intermediate_size:]}
+    else:
+        parts = {_LAYER_TENSORS[rest]: raw}
+    return [(f"l{layer}.{key}", np.ascontiguousarray(rows)) for key, rows in parts.items()]
 
 
 def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> Linear:
