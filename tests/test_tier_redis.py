@@ -212,7 +212,7 @@ def test_bare_caches_with_other_model_ids_never_share(server):
 
 
 # ---------------------------------------------------------------- faults
-@pytest.mark.parametrize("damage", ["garbage", "truncate", "flip", "other-page"])
+@pytest.mark.parametrize("damage", ["garbage", "truncate", "flip", "other-page", "huge"])
 def test_overwritten_values_are_never_served(model_path, server, damage):
     a = decoder(model_path, server.url)
     a.generate(PROMPTS[:1], NEW)
@@ -229,6 +229,8 @@ def test_overwritten_values_are_never_served(model_path, server, damage):
             b = b[:len(b) // 2]
         elif damage == "flip":
             b[int(rng.integers(0, len(b)))] ^= 4
+        elif damage == "huge":   # the entry, then 4 MiB more: never read whole
+            b = b + bytearray(4 << 20)
         else:
             b = bytearray(blobs[(i + 1) % len(blobs)])
         client.set(key, bytes(b))
@@ -326,6 +328,12 @@ def test_redis_tier_contains_get_put_discard(server):
     tier.discard(keys[:2])
     assert tier.contains(keys) == [False, False, True]
     assert server.client().get(b"ns-test:" + keys[2].hex().encode()) == b"two"
+    # with the cache's entry size set, no more than one byte past it is read
+    tier.max_entry_bytes = 4
+    server.client().set(b"ns-test:" + keys[1].hex().encode(), b"x" * (64 << 20))
+    assert tier.get(keys) == [None, b"xxxxx", b"two"]
+    tier.max_entry_bytes = 2
+    assert tier.get(keys) == [None, b"xxx", b"two"]
     ttl = RedisTier(server.url, namespace="ns-ttl", ttl=100)
     ttl.put([(keys[0], b"x")])
     assert 0 < server.client().ttl(b"ns-ttl:" + keys[0].hex().encode()) <= 100

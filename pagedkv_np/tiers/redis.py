@@ -151,7 +151,14 @@ class RedisTier(Tier):
 
     def get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         names = self._names(keys)
-        return list(self._call(lambda p: [p.get(n) for n in names]))
+        bound = self.max_entry_bytes
+        if bound is None:
+            return list(self._call(lambda p: [p.get(n) for n in names]))
+        # at most one byte past an entry's size crosses the network: a larger
+        # value under a key (someone else's, or a hostile one) comes back
+        # cut, so the entry check rejects it and the key is written anew
+        replies = self._call(lambda p: [p.getrange(n, 0, bound) for n in names])
+        return [r or None for r in replies]
 
     def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         names = self._names([k for k, _ in items])
