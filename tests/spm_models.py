@@ -80,15 +80,15 @@ def train(model_type: str = "bpe", **options) -> bytes:
     """A serialized SentencePiece ModelProto trained on 3000 sample texts.
 
     The defaults are Llama 2's settings (identity normalization, spaces kept
-    as they are, a ``▁`` prefix, digits split, byte fallback) and one
-    user-defined symbol, ``<sep>``; ``options`` override them.
+    as they are, a ``▁`` prefix, digits split, byte fallback) and two
+    user-defined symbols, ``<sep>`` and ``(x)``; ``options`` override them.
     """
     rng = random.Random(0)
     lines = [sample_text(rng, rare=False) for _ in range(3000)]
     args = dict(model_type=model_type, vocab_size=800, character_coverage=1.0,
                 normalization_rule_name="identity", remove_extra_whitespaces=False,
                 add_dummy_prefix=True, split_digits=True, byte_fallback=True,
-                allow_whitespace_only_pieces=True, user_defined_symbols=["<sep>"],
+                allow_whitespace_only_pieces=True, user_defined_symbols=["<sep>", "(x)"],
                 minloglevel=2, num_threads=1)
     args.update(options)
     out = io.BytesIO()

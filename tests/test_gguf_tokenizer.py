@@ -88,27 +88,26 @@ def test_user_defined_tokens_without_prefix_equal_sentencepiece():
     normalized text, where SentencePiece matches them."""
     sp, tok = _model("bpe-no-prefix")
     rng = random.Random(2)
-    texts = ["<sep>" + sample_text(rng) + " <sep>" + sample_text(rng) + "<sep>"
-             for _ in range(100)] + ["a<sep>b", "<sep><sep>", " <sep> "]
+    texts = ["<sep>" + sample_text(rng) + " <sep>" + sample_text(rng) + "(x)"
+             for _ in range(100)] + ["a<sep>b", "<sep><sep>", " <sep> ", "<sep>", "(x)"]
     bad_ids, bad_text = _mismatches(sp, tok, texts)
     assert not bad_ids and not bad_text, (bad_ids[:3], bad_text[:3])
     assert tok.encode("a<sep>ka", add_special_tokens=False).tokens == ["a", "<sep>", "ka"]
 
 
-def test_user_defined_tokens_with_prefix_start_fresh_text_as_llama_cpp():
-    """With a ``▁`` prefix, the text after a user-defined token starts afresh
-    (its own prefix), as llama.cpp splits it: SentencePiece on each piece."""
+def test_user_defined_tokens_with_prefix_equal_sentencepiece():
+    """With a ``▁`` prefix too: the text after a user-defined token gets no
+    prefix of its own, and one before it at the start is a token of its own."""
     sp, tok = _model("bpe")
-    sep = sp.piece_to_id("<sep>")
     rng = random.Random(3)
-    texts = [sample_text(rng) + "<sep>" + sample_text(rng) for _ in range(100)] + [
-        "a<sep>b", "<sep>b", "a <sep> b", "<sep>"]
-    for text in texts:
-        pieces = text.split("<sep>")
-        expected = sp.encode(pieces[0])
-        for piece in pieces[1:]:
-            expected += [sep] + sp.encode(piece)
-        assert tok.encode(text, add_special_tokens=False).ids == expected, text
+    texts = [sample_text(rng) + rng.choice(["<sep>", "(x)", " <sep> ", "<sep><sep>"])
+             + sample_text(rng) for _ in range(200)]
+    texts += ["<sep>" + sample_text(rng) for _ in range(50)]
+    texts += ["a<sep>ka", "<sep>ka", "a <sep> ka", " <sep>", "<sep> ", "to(x)ri", "((x))"]
+    bad_ids, bad_text = _mismatches(sp, tok, texts)
+    assert not bad_ids and not bad_text, (bad_ids[:3], bad_text[:3])
+    assert tok.encode("<sep>ka", add_special_tokens=False).tokens == ["▁", "<sep>", "ka"]
+    assert tok.encode("to(x)ri", add_special_tokens=False).tokens == ["▁to", "(x)", "ri"]
 
 
 def test_control_tokens_are_special_and_bos_is_added():

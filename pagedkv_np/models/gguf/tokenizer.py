@@ -36,15 +36,16 @@ text that already starts with a space, so ``" Hello"`` lost one of its
 two (32 of llama.cpp's 47 Llama-SPM test cases right against 47 of 47; 383
 of the 424 texts of tests/test_gguf_tokenizer.py against all 424).
 
-Tokens of type control become special added tokens, and those of type
-user-defined added tokens, matched whole before the model sees the text,
-so that ``<start_of_turn>`` in a prompt is one token. As in llama.cpp,
-the text after one of these starts afresh: with ``add_space_prefix`` it gets
-its own ``▁``. SentencePiece itself never reads control tokens in text and
-adds no ``▁`` after a user-defined one; without ``add_space_prefix`` (Gemma)
-user-defined tokens are matched in the normalized text, exactly as
-SentencePiece matches them (llama.cpp's converter writes their ``▁`` as
-spaces, which the normalizer turns back).
+Tokens of type control become special added tokens, matched whole in the
+raw text, so that ``<start_of_turn>`` in a prompt is one token; as in
+llama.cpp the text after one starts afresh (with ``add_space_prefix``, its
+own ``▁``). SentencePiece itself never reads control tokens in text.
+Tokens of type user-defined become added tokens matched whole in the
+normalized text, where SentencePiece matches them (llama.cpp's converter
+writes their ``▁`` as spaces, which the normalizer turns back), and the
+text after one goes on without a new ``▁``, as in SentencePiece (llama.cpp
+gives it one). One difference is left: a text that is exactly one
+user-defined token gets no ``▁`` before it.
 """
 
 from __future__ import annotations
@@ -253,7 +254,10 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
         # SentencePiece trims and squeezes the space character only, not tabs or newlines
         steps += [normalizers.Replace(tokenizers.Regex("^ +| +$"), ""),
                   normalizers.Replace(tokenizers.Regex(" {2,}"), " ")]
-    if add_space_prefix:
+    user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+    if add_space_prefix and user_defined:
+        steps.append(_prefix_unless(user_defined))
+    elif add_space_prefix:
         steps.append(normalizers.Prepend(_SPACE))
     steps.append(normalizers.Replace(" ", _SPACE))
     tok.normalizer = normalizers.Sequence(steps)
@@ -262,10 +266,22 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
     tok.decoder = decoders.Sequence(
         unknown + [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
         + ([decoders.Strip(" ", 1, 0)] if add_space_prefix else []))
-    # With a prefix, a user-defined token matched in the normalized text would
-    # have to be "▁<tok>"; matched in the raw text, what follows starts afresh.
-    tok.add_tokens([tokenizers.AddedToken(tokens[i], special=False,
-                                          normalized=not add_space_prefix)
-                    for i, t in enumerate(types) if t == _USER_DEFINED])
+    # matched in the normalized text (their spaces as "▁"), as SentencePiece matches them
+    tok.add_tokens([tokenizers.AddedToken(token, special=False, normalized=True)
+                    for token in user_defined])
     return tok
+
+
+def _prefix_unless(user_defined: list[str]) -> normalizers.Normalizer:
+    """Prepend ``▁`` to a text unless it is empty or one of ``user_defined``.
+
+    ``tokenizers`` normalizes an added token's own text too before looking
+    for it in the normalized text, so a plain prefix would have it look for
+    ``▁<tok>`` and find ``<tok>`` nowhere else.
+    """
+    def escape(token: str) -> str:
+        return "".join("\\" + c if c in "\\^$.|?*+()[]{}" else c for c in token)
+
+    alternatives = "|".join(escape(token) for token in user_defined)
+    return normalizers.Replace(tokenizers.Regex(rf"\A(?!(?:{alternatives})?\z)"), _SPACE)
 
