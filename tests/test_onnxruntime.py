@@ -582,3 +582,15 @@ def test_step_events_say_how_each_request_was_admitted_and_ended():
     dec.abort(third)
     events = dec.step()
     assert events.statuses[third].finish_reason == "abort" and not events.admitted
+
+
+def test_repr_names_model_context_pool_and_backend(tmp_path):
+    model = build_model(DecoderConfig(vocab_size=64, hidden_size=32, num_layers=1,
+                                      num_heads=2, num_kv_heads=1))
+    path = tmp_path / "tiny.onnx"
+    onnx.save(model, str(path))
+    dec = OrtDecoder(path, num_pages=8, page_size=4, max_batch_size=2, backend="numpy",
+                     max_positions=20)
+    assert repr(dec) == ("OrtDecoder(model='tiny.onnx', context=20, pool=8 pages x 4 tokens "
+                         "(float32, HND), backend='numpy', max_batch_size=2)")
+    assert repr(OrtDecoder(model, num_pages=8)).startswith("OrtDecoder(model='<ModelProto>', ")

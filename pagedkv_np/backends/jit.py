@@ -26,6 +26,7 @@ This module imports nothing of Numba until a function here is called.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import threading
@@ -40,6 +41,9 @@ ENV_CACHE_DIR = "PAGEDKV_NUMBA_CACHE_DIR"
 _LOCK = threading.Lock()
 _UNSET = object()
 _resolved: Any = _UNSET  # the directory chosen for this process, or None
+_compile_listener: Any = None   # says once that kernels compile (_note_compiles)
+
+logger = logging.getLogger(__name__)
 
 
 def _default_cache_dir() -> str | None:
@@ -103,6 +107,37 @@ def cache_dir() -> str | None:
         return _resolved
 
 
+def _note_compiles() -> None:
+    """Log once per process, at INFO, when one of this package's kernels starts
+    compiling (Numba's ``numba:compile`` event, sent on a disk-cache miss only),
+    so that a first call that takes seconds says why."""
+    global _compile_listener
+    if _compile_listener is not None:
+        return
+    from numba.core import event
+
+    class CompileNote(event.Listener):
+        noted = False
+
+        def on_start(self, ev: Any) -> None:
+            func = getattr(ev.data.get("dispatcher"), "py_func", None)
+            if self.noted or not getattr(func, "__module__", "").startswith("pagedkv_np."):
+                return
+            self.noted = True
+            path = cache_dir()
+            where = f"then cached in {path}" if path else "in every process: no writable cache"
+            # measured: a SmolLM2 decoder's first chat took 21.5 s with nothing cached
+            logger.info("compiling the Numba kernels on their first use: about 20 s for a "
+                        "decoder's first request on 2 cores, more on a busy machine, once; "
+                        "%s (pagedkv_np.warmup() compiles them ahead)", where)
+
+        def on_end(self, ev: Any) -> None:
+            pass
+
+    _compile_listener = CompileNote()
+    event.register("numba:compile", _compile_listener)
+
+
 def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
                error_model: Literal["python", "numpy"] = "python") -> Any:
     """``numba.njit`` with this package's cache policy (see the module docstring).
@@ -116,6 +151,7 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
     import numba
     from numba.core import config
 
+    _note_compiles()
     path = cache_dir()
     if path is None:
         return numba.njit(cache=False, parallel=parallel, error_model=error_model)(func)

@@ -19,13 +19,11 @@ from ..errors import ConfigError
 from ..layout import resolve_dtype
 from ..pool import PagePool
 from ..prefix import PrefixIndex
+from .ops import DATA_OPS, DEFAULT_DTYPES, OPS
 from .timing import CopyBaseline, best_times, is_host, round_times, sync_for
 
 __all__ = ["OPS", "FIELDS", "run_benchmarks", "pool_cycle", "prefix_setup"]
 
-OPS = ("gather", "prefill_write", "decode_write", "copy_pages", "alloc_free", "prefix_lookup")
-DATA_OPS = OPS[:4]
-DEFAULT_DTYPES = ("float32", "float16")
 PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 GATHER_SEQS, GATHER_TOKENS = 32, 2048
 # Bytes a "fresh" write case and its copy write in turn before they come

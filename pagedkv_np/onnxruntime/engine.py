@@ -68,13 +68,15 @@ from .textgen import TextGenerationMixin
 __all__ = ["OrtDecoder", "RequestNotFound"]
 
 
-def _model_name(source: Any, model_folder: Any) -> str:
+def _model_name(model: Any, model_folder: Any) -> str:
     """What the repr calls the model: the GGUF file a folder was imported
-    from, else the folder's or file's name."""
+    from, else the folder's or file's name, else the type of what was given."""
     if model_folder is not None:
         imported = model_folder.config.get("pagedkv_np", {})
         return str(imported.get("source") or os.path.basename(model_folder.path))
-    return os.path.basename(source) if isinstance(source, str) else "<ONNX bytes>"
+    if isinstance(model, str) or hasattr(model, "__fspath__"):
+        return os.path.basename(os.fspath(model))
+    return f"<{type(model).__name__}>"
 
 
 class RequestNotFound(PagedKVError, KeyError):
@@ -182,7 +184,7 @@ class OrtDecoder(TextGenerationMixin):
         self.model_folder = model_folder
         self.threads = thread_budget(threads, spin, session_options=session_options)
         source, proto = load_model(model)
-        self._model_name = _model_name(source, model_folder)
+        self._model_name = _model_name(model, model_folder)
         facts = graph_facts(proto)
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
