@@ -360,3 +360,45 @@ def test_text_stream_equals_the_whole_decode_cut_at_its_stop(codec, ids, chunks,
     whole = codec.decode([t for t in ids if t != tf.EOS_ID])
     assert "".join(out) == s.text == truncate_at_stop(whole, stops or None)
     assert s.stopped == any(x in whole for x in stops)
+
+
+def _held_runs_ids(codec, draw_runs):
+    """Ids of long runs of tokens that decode to nothing or to incomplete
+    characters (a lone UTF-8 lead byte, a skipped special token), between
+    ordinary text."""
+    lead = codec.tokenizer.token_to_id("ð")          # the byte 0xF0 alone
+    special = codec.tokenizer.token_to_id("<|im_end|>")
+    text = codec.encode("é 日 ok").tolist()
+    ids = []
+    for kind, n in draw_runs:
+        ids += {"lead": [lead] * n, "special": [special] * n, "text": text * n}[kind]
+    return ids
+
+
+@settings(max_examples=60, deadline=None)
+@given(runs=st.lists(st.tuples(st.sampled_from(["lead", "special", "text"]),
+                               st.integers(1, 60)), max_size=6),
+       chunks=st.lists(st.integers(1, 5), max_size=80), skip=st.booleans())
+def test_detokenizer_joins_long_held_runs_to_the_whole_decode(codec, runs, chunks, skip):
+    ids = _held_runs_ids(codec, runs)
+    deltas = stream(Detokenizer(codec, skip_special_tokens=skip), ids, chunks)
+    assert "".join(deltas) == codec.decode(ids, skip_special_tokens=skip)
+
+
+def test_detokenizer_decodes_a_bounded_window_however_long_text_is_held(codec):
+    """4,000 tokens that never complete a character: each push decodes a few
+    tokens, not every held token again (which made streaming quadratic)."""
+    widths = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            widths.append(len(ids))
+            return codec.decode(ids, skip_special_tokens)
+
+    for kind in ("lead", "special"):
+        ids = _held_runs_ids(codec, [(kind, 4000)])
+        widths.clear()
+        detok = Detokenizer(Counting())
+        joined = "".join(detok.push([i]) for i in ids)
+        assert max(widths) <= 40, kind
+        assert joined + detok.finish() == codec.decode(ids)
