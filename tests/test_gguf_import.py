@@ -117,7 +117,10 @@ class Spec:
 
 def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm",
                tokenizer_model="gpt2", tensor_types=None, skip=(), sizes=None, add_bos=False,
-               rope_freqs=None) -> Spec:
+               rope_freqs=None, block_count=None, context_length=None, extra_tokens=0) -> Spec:
+    """A tiny GGUF model; ``block_count``, ``context_length`` and
+    ``extra_tokens`` (vocabulary entries beyond the embedding's rows) make its
+    metadata lie about its tensors."""
     rng = np.random.default_rng(seed)
     g = {**GEOMETRIES.get(arch, GEOMETRIES["llama"]), **(sizes or {})}
     tokens, types = vocab()
@@ -126,8 +129,8 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm"
     h, d, f = c.hidden_size, c.head_dim, c.intermediate_size
     nq, nkv = c.num_heads * d, c.num_kv_heads * d
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_layers)
-    w.add_context_length(c.max_positions)
+    w.add_block_count(c.num_layers if block_count is None else block_count)
+    w.add_context_length(c.max_positions if context_length is None else context_length)
     w.add_embedding_length(h)
     w.add_feed_forward_length(f)
     w.add_head_count(c.num_heads)
@@ -139,8 +142,8 @@ def write_gguf(path, arch="llama", qtype=Q.Q4_1, tied=True, seed=0, pre="smollm"
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_tokenizer_model(tokenizer_model)
     w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    w.add_token_list(tokens + [f"<extra{i}>" for i in range(extra_tokens)])
+    w.add_token_types(types + [1] * extra_tokens)
     w.add_token_merges([f"{a} {b}" for a, b in MERGES])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -448,13 +451,14 @@ def test_digest_memo_spares_a_new_process_the_hash(tmp_path):
     import_gguf(spec.path, cache_dir=cache)
     (memo,) = (cache / "digests").iterdir()
     saved = json.loads(memo.read_text())
-    assert saved["blake2b"] == file_digest(spec.path)
-    # a memo that says otherwise is believed while path, size and mtime match ...
-    memo.write_text(json.dumps({**saved, "blake2b": "f" * 64}))
+    assert saved["sha256"] == file_digest(spec.path)
+    # a memo that says otherwise is believed while the file's identity matches ...
+    memo.write_text(json.dumps({**saved, "sha256": "f" * 64}))
     assert _digest_in_new_process(spec.path, cache) == "f" * 64
-    # ... and ignored once the file changes
-    os.utime(spec.path, ns=(saved["mtime_ns"] + 10**9, saved["mtime_ns"] + 10**9))
-    assert _digest_in_new_process(spec.path, cache) == saved["blake2b"]
+    # ... and ignored once the file changes, even with its mtime put back
+    mtime = saved["identity"]["mtime_ns"]
+    os.utime(spec.path, ns=(mtime, mtime))
+    assert _digest_in_new_process(spec.path, cache) == saved["sha256"]
 
 
 def _cut(path, keep):

@@ -359,14 +359,14 @@ def test_int8_pages_restart_from_disk(model_path, tmp_path):
 
 
 def test_the_model_fingerprint_is_hashed_once_and_follows_the_file(tmp_path):
-    from pagedkv_np.tiers.fingerprint import MEMO_FILE, weights_digest
+    from pagedkv_np.tiers.fingerprint import weights_digest
     path = str(tmp_path / "m.onnx")
     save_model(build_model(CONFIG), path)
     first = decoder(path, tmp_path / "d")
-    memo = json.loads((tmp_path / "d" / MEMO_FILE).read_text())
+    (memo,) = [json.loads(p.read_text()) for p in (tmp_path / "d" / "digests").iterdir()]
     import hashlib
     with open(path, "rb") as f:
-        assert list(memo.values()) == [hashlib.blake2b(f.read(), digest_size=16).hexdigest()]
+        assert memo["sha256"] == hashlib.sha256(f.read()).hexdigest()
     assert weights_digest(path, None) == weights_digest(path, str(tmp_path / "d"))
     first.generate(PROMPTS[:1], NEW)
     first.cache.tiers.flush(30)

@@ -53,55 +53,65 @@ option, not the default.
 
 Results are cached under ``$PAGEDKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pagedkv_np``, else ``~/.cache/pagedkv_np``, in a folder
-named after the file's content digest (blake2b), the mode, the family and
-:data:`FORMAT_VERSION`; a second call returns that folder. The digest is
-remembered per (path, size, mtime) in ``digests/`` there, so a file is
-hashed once. Folders are written beside their final place and renamed into
-it, so a failed import leaves nothing behind.
+named after the file's content digest (SHA-256), the mode, the family, the
+served context and :data:`FORMAT_VERSION`; a second call returns that
+folder. The digest is remembered in ``digests/`` there under the file's
+identity (path, inode, size, mtime, ctime, sampled bytes:
+:mod:`pagedkv_np.digests`), so a file is hashed once, and a different file
+put in its place (even of the same size, its mtime restored) is hashed
+again. Folders are written beside their final place and renamed into it,
+so a failed import leaves nothing behind.
+
+The header comes first: tensor types, the layer count against the tensors
+present, the architecture, the geometry and the vocabulary size are checked
+from the metadata and tensor table (:mod:`pagedkv_np.models.gguf.header`)
+before the vocabulary or any tensor is read, so a file that will be refused
+is refused at once, and metadata that lies cannot make the import allocate
+for it. The RoPE tables follow the served context (``max_context``), not
+the file's ``context_length``.
 
 Command line::
 
     python -m pagedkv_np.models.gguf.importer FILE.gguf [--weights q4]
-        [--family gqa] [--accuracy-level 0] [--out DIR]
+        [--family gqa] [--accuracy-level 0] [--max-context 8192] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
+from ...digests import file_digest
 from ...errors import ConfigError
 from ...log import long_wait
 from ..geometry import DecoderGeometry
-from .reader import (ARCHITECTURES, GGUFFile, GGUFFormatError, kept_blocks,
-                          read_geometry, read_weights)
+from .reader import (ARCHITECTURES, SUPPORTED_TYPES, GGUFFile, GGUFFormatError, kept_blocks,
+                     read_geometry, read_weights)
 from .tokenizer import build_tokenizer
 from ..graph import build_decoder, save_decoder
 from ...errors import UnsupportedModelError
 
 __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
-           "import_gguf", "convert_gguf", "cache_dir_default", "file_digest", "main"]
+           "DEFAULT_MAX_CONTEXT", "import_gguf", "convert_gguf", "cache_dir_default",
+           "file_digest", "main"]
 
 WEIGHT_MODES = ("q4", "float32", "float16")
 FAMILIES = ("gqa", "optimum")
 #: bump when the folder's contents for the same file change
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: positions served (and RoPE table rows) unless ``max_context`` says otherwise
+DEFAULT_MAX_CONTEXT = 8192
 
 logger = logging.getLogger(__name__)
-
-_digests: dict[tuple[str, int, int], str] = {}
-_digest_lock = threading.Lock()
-
 
 def cache_dir_default() -> Path:
     """``$PAGEDKV_CACHE_DIR``, else ``$XDG_CACHE_HOME/pagedkv_np``, else
@@ -110,59 +120,6 @@ def cache_dir_default() -> Path:
         return Path(os.environ["PAGEDKV_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedkv_np"
-
-
-def file_digest(path: str | os.PathLike, memo_dir: str | os.PathLike | None = None) -> str:
-    """blake2b hex digest of the file's bytes, read in 1 MiB chunks.
-
-    Remembered per (path, size, mtime) in this process and, when ``memo_dir``
-    is given, in a small JSON file there that :func:`import_gguf` writes after
-    a successful import, so that a new process does not hash the file again.
-    """
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    with _digest_lock:
-        if key in _digests:
-            return _digests[key]
-    memo = _memo_path(memo_dir, key[0]) if memo_dir is not None else None
-    if memo is not None:
-        try:
-            saved = json.loads(memo.read_text(encoding="utf-8"))
-            if [saved["path"], saved["size"], saved["mtime_ns"]] == list(key):
-                digest = str(saved["blake2b"])
-                with _digest_lock:
-                    _digests[key] = digest
-                return digest
-        except (OSError, ValueError, KeyError, TypeError):
-            pass        # no memo, or an unreadable one: hash the file
-    h = hashlib.blake2b(digest_size=32)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    with _digest_lock:
-        _digests[key] = h.hexdigest()
-    return _digests[key]
-
-
-def _memo_path(memo_dir: str | os.PathLike, abspath: str) -> Path:
-    name = hashlib.blake2b(abspath.encode("utf-8", "surrogateescape"), digest_size=16)
-    return Path(memo_dir) / "digests" / f"{name.hexdigest()}.json"
-
-
-def _remember_digest(memo_dir: Path, path: str, digest: str) -> None:
-    """Write the digest memo (atomically; a failure only costs a rehash later)."""
-    st = os.stat(path)
-    abspath = os.path.abspath(path)
-    memo = _memo_path(memo_dir, abspath)
-    try:
-        memo.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=memo.parent, suffix=".partial")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"path": abspath, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                       "blake2b": digest}, f)
-        os.replace(tmp, memo)
-    except OSError:
-        pass
 
 
 def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: bool
@@ -248,8 +205,13 @@ class _Options:
     weights: str
     family: str
     accuracy_level: int
+    max_context: int = DEFAULT_MAX_CONTEXT
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) \
+                or self.max_context < 1:
+            raise ConfigError(f"Invalid max_context: expected a positive int, "
+                              f"got {self.max_context!r}")
         if self.weights not in WEIGHT_MODES:
             raise ConfigError(f"Invalid weights: expected one of {WEIGHT_MODES}, "
                               f"got {self.weights!r}")
@@ -264,7 +226,7 @@ class _Options:
     def tag(self) -> str:
         """How the options appear in a cache folder's name."""
         acc = f"-acc{self.accuracy_level}" if self.accuracy_level else ""
-        return f"{self.weights}{acc}-{self.family}"
+        return f"{self.weights}{acc}-{self.family}-ctx{self.max_context}"
 
     def provenance(self, path: str) -> dict:
         return {"source": os.path.basename(path), "weights": self.weights,
@@ -272,10 +234,50 @@ class _Options:
                 "format_version": FORMAT_VERSION}
 
 
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.")
+
+
+def _check_header(f: GGUFFile) -> None:
+    """What the header alone shows wrong, checked before the vocabulary,
+    geometry or any tensor is read: a tensor type this importer does not
+    read (named, with its type), and a layer count that the tensors do not
+    have (``block_count = 10**7`` once built 90 million names, 2.2 GiB)."""
+    for name, t in f.tensors.items():
+        if t.tensor_type not in SUPPORTED_TYPES:
+            raise UnsupportedModelError(
+                f"{f.path!r}: tensor {name!r} has type {t.type_name}; supported: "
+                f"{', '.join(q.name for q in SUPPORTED_TYPES)}")
+    arch = f.get("general.architecture", kind=str)
+    count = None if arch is None else f.get(f"{arch}.block_count")
+    if count is not None:
+        found = {int(m.group(1)) for name in f.tensors if (m := _LAYER_NAME.match(name))}
+        present = max(found) + 1 if found else 0
+        if count != present:
+            raise GGUFFormatError(f"{f.path!r}: metadata {arch}.block_count is {count:,} but "
+                                  f"the file has tensors for {present} layers")
+
+
+def _served(f: GGUFFile, c: DecoderGeometry, opts: _Options) -> DecoderGeometry:
+    """The geometry with the positions that will be served: ``max_context``,
+    or the file's ``context_length`` when smaller. RoPE tables have as many
+    rows (a file's 2**31 - 1 once asked for 16 GiB of them)."""
+    num_tokens = f.meta.length("tokenizer.ggml.tokens")
+    if num_tokens is not None and num_tokens > c.vocab_size:
+        raise GGUFFormatError(f"{f.path!r}: {num_tokens} tokens but an embedding of "
+                              f"{c.vocab_size} rows")
+    return dataclasses.replace(c, max_positions=min(c.max_positions, opts.max_context))
+
+
 def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
-    """Write the model folder's files into ``folder`` (an empty directory)."""
+    """Write the model folder's files into ``folder`` (an empty directory).
+
+    Everything the header shows (types, layers, architecture, geometry,
+    vocabulary size) is checked before the vocabulary or a tensor is read."""
     f = GGUFFile(path)
+    _check_header(f)
     arch, c = read_geometry(f)
+    file_context = c.max_positions
+    c = _served(f, c, opts)
     if opts.family == "gqa" and c.head_dim % 16:
         raise UnsupportedModelError(f"{path!r}: head size {c.head_dim} is not a multiple of "
                                     "16, which GroupQueryAttention needs; use family='optimum'")
@@ -291,7 +293,8 @@ def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
     save_decoder(model, folder)
     del model
     text["tokenizer.json"].save(str(folder / "tokenizer.json"))
-    text["config.json"]["pagedkv_np"] = provenance
+    text["config.json"]["pagedkv_np"] = dict(provenance, max_context=c.max_positions,
+                                             file_context_length=file_context)
     for name, value in text.items():
         if name != "tokenizer.json":
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
@@ -322,10 +325,11 @@ def _write_atomically(path: str, target: Path, opts: _Options, provenance: dict)
 
 
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "q4",
-                 family: str = "gqa", accuracy_level: int = 0) -> Path:
+                 family: str = "gqa", accuracy_level: int = 0,
+                 max_context: int = DEFAULT_MAX_CONTEXT) -> Path:
     """Write the model folder for ``path`` at ``out_dir`` (which must not exist
     or be empty), without the cache. Same options and errors as :func:`import_gguf`."""
-    opts = _Options(weights, family, accuracy_level)
+    opts = _Options(weights, family, accuracy_level, max_context)
     target = Path(out_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"Invalid out_dir: {str(target)!r} exists and is not an empty folder")
@@ -338,7 +342,8 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights
 
 
 def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "gqa",
-                cache_dir: str | os.PathLike | None = None, accuracy_level: int = 0) -> Path:
+                cache_dir: str | os.PathLike | None = None, accuracy_level: int = 0,
+                max_context: int = DEFAULT_MAX_CONTEXT) -> Path:
     """The model folder of a GGUF file, built once and cached.
 
     Parameters
@@ -355,7 +360,13 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         MatMulNBits' ``accuracy_level`` in ``"q4"`` mode: 0 computes with the
         file's exact weights in float32; 4 quantizes activations to int8, as
         llama.cpp does for its 4-bit products (faster, not exact), and then
-        also runs Q8_0 tensors as 8-bit blocks.
+        also runs the 5-8-bit types (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) as 8-bit
+        blocks.
+    max_context : int
+        Positions the model folder serves (its RoPE tables' rows,
+        ``config.json``'s ``max_position_embeddings``): this, or the file's
+        ``context_length`` when smaller. ``config.json`` keeps both under
+        ``"pagedkv_np"``.
 
     Returns
     -------
@@ -367,23 +378,25 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
     Raises
     ------
     ConfigError
-        An unknown mode, family or accuracy level, or no such file.
+        An unknown mode, family or accuracy level, a bad ``max_context``, or
+        no such file.
     UnsupportedModelError
         An architecture, tensor type (the message names the tensor), tokenizer
         or feature this importer does not convert.
     GGUFFormatError
-        A truncated or corrupt file (a subclass of UnsupportedModelError).
+        A truncated or corrupt file, or metadata that its tensors contradict
+        (a subclass of UnsupportedModelError; the message names the key).
     """
-    opts = _Options(weights, family, accuracy_level)
+    opts = _Options(weights, family, accuracy_level, max_context)
     source = os.fspath(path)
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
-    digest = file_digest(source, root)
+    digest = file_digest(source, root, save=False)
     target = root / f"{digest[:32]}-{opts.tag}-v{FORMAT_VERSION}"
     if not ((target / "model.onnx").is_file() and (target / "config.json").is_file()):
-        _write_atomically(source, target, opts, dict(opts.provenance(source), blake2b=digest))
-    _remember_digest(root, source, digest)
+        _write_atomically(source, target, opts, dict(opts.provenance(source), sha256=digest))
+    file_digest(source, root)     # remembered for the next process, once the folder is there
     return target
 
 
@@ -396,11 +409,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=FAMILIES, default="gqa")
     parser.add_argument("--accuracy-level", type=int, choices=(0, 4), default=0,
                         help="q4 mode: 4 computes with int8 activations (faster, inexact)")
+    parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
+                        help="positions to serve (default %(default)s, or the file's "
+                             "context_length when smaller)")
     parser.add_argument("--out", default=None,
                         help="write the folder here instead of the cache")
     args = parser.parse_args(argv)
     options = dict(weights=args.weights, family=args.family,
-                   accuracy_level=args.accuracy_level)
+                   accuracy_level=args.accuracy_level, max_context=args.max_context)
     try:
         if args.out is not None:
             folder = convert_gguf(args.path, args.out, **options)

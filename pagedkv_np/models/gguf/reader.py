@@ -50,6 +50,7 @@ import numpy as np
 from ...errors import ConfigError
 from ..geometry import DecoderGeometry, Linear
 from .blocks import BLOCK_KINDS, BlockQuantized
+from .header import GGUFFormatError, read_header
 from ...errors import UnsupportedModelError
 
 try:
@@ -128,25 +129,16 @@ _TOP_TENSORS = {"token_embd.weight": "embed", "output_norm.weight": "final_norm"
                 "output.weight": "lm_head", "rope_freqs.weight": "rope_freqs"}
 
 
-class GGUFFormatError(UnsupportedModelError):
-    """The file is not a readable GGUF file (truncated, corrupt, or its
-    metadata contradicts its tensors); the message says what is wrong."""
-
-
 class GGUFFile:
-    """A GGUF file's metadata (as Python values) and tensors by name."""
+    """A GGUF file's metadata (as Python values) and tensor table by name,
+    read from its header (:mod:`.header`: long arrays and tensor data are
+    read when asked for)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
-        try:
-            reader = gguf.GGUFReader(path, "r")
-            self.meta = {name: field.contents() for name, field in reader.fields.items()}
-            self.tensors = {t.name: t for t in reader.tensors}
-        except FileNotFoundError:
-            raise ConfigError(f"Invalid path: no file {path!r}") from None
-        except Exception as exc:   # numpy, struct and unicode errors of a bad file
-            raise GGUFFormatError(f"{path!r} is not a readable GGUF file (truncated or "
-                                  f"corrupt): {type(exc).__name__}: {exc}") from None
+        header = read_header(path)
+        self.meta = header.metadata
+        self.tensors = header.tensors
 
     def get(self, key: str, default: Any = None, kind: type | tuple = (int,)) -> Any:
         """Metadata ``key`` (``default`` when absent), which must be of ``kind``."""
