@@ -1,27 +1,48 @@
-"""Timing for ``pagedkv bench``: interleaved rounds of samples and the plain-copy baseline.
+"""Timing for every benchmark outside asv: rounds, summaries, the copy baseline.
 
-Every bandwidth figure is reported beside a plain copy of the same number of
-bytes measured in the same process, interleaved with the operation so that
-both see the same load. On the host the copy is the better of ``np.copyto``
-on one thread and split over several (NumPy releases the GIL while it
-copies, and a backend may use every core too); for a device backend it is
-one device-to-device copy. :class:`CopyBaseline` is that copy for every
-benchmark script and ``pagedkv bench``; the asv suite keeps its own.
+One helper for ``pagedkv bench`` and every benchmark script
+(``scripts/bench_*.py``); the asv suite keeps its own frozen copy in
+``benchmarks/``, so that two commits are measured by the same code.
+
+* Samples of fast operations: :func:`round_times` / :func:`best_times` time
+  several functions in interleaved rounds, so that an operation and its
+  copy baseline see the same load.
+* The copy baseline: every bandwidth figure is reported beside a plain copy
+  of the same number of bytes measured in the same process. On the host the
+  copy is the better of ``np.copyto`` on one thread and split over several
+  (NumPy releases the GIL while it copies, and a backend may use every core
+  too); for a device backend it is one device-to-device copy
+  (:class:`CopyBaseline`; :func:`against_copy` times an operation beside
+  it, :func:`copy_bandwidth` gives the copy alone).
+* Whole runs (a request, a decode, a process): :func:`interleave` runs each
+  way once a round, the order rotating; :func:`timed` / :func:`timed_cpu`
+  make a call return its time; :func:`spread`, :func:`fmt_spread`,
+  :func:`medians` and :func:`percentile` summarise the rounds;
+  :func:`run_json` runs one measurement in a fresh process.
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..checks import is_int
+from ..errors import ConfigError
 
-__all__ = ["round_times", "best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth"]
+__all__ = ["round_times", "best_times", "is_host", "sync_for", "CopyBaseline", "copy_bandwidth",
+           "CopyRatio", "against_copy", "rotated", "interleave", "timed", "timed_cpu", "Spread",
+           "spread", "fmt_spread", "medians", "percentile", "run_json"]
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 
 def round_times(fns: list[Callable[[], Any]], repeat: int, min_time: float,
@@ -229,3 +250,174 @@ def copy_bandwidth(nbytes: int, repeat: int = 5, min_time: float = 0.05,
         baseline.close()
     seconds, threads = min(zip(times, (t for _, t in fns)))
     return 2 * max(int(nbytes) // 2, 64) / seconds / 1e9, threads
+
+
+# ------------------------------------------- an operation against its copy
+class CopyRatio(NamedTuple):
+    """An operation timed in rounds beside plain copies of the same bytes.
+
+    ``ratios`` holds, round by round, the faster copy's time over the
+    operation's time in that round (1.0: as fast as a copy): a burst of load
+    in one round moves the ratio of the bests, but hardly their median.
+    """
+
+    seconds: float          # best seconds per call of the operation
+    copy_seconds: float     # best seconds per call of the faster copy
+    copy_threads: int       # the threads of that copy
+    ratios: list[float]     # per round: copy seconds / operation seconds
+
+    @property
+    def ratio(self) -> float:
+        """The best copy's time over the operation's best time."""
+        return self.copy_seconds / self.seconds
+
+
+def against_copy(fn: Callable[[], Any], copies: list[tuple[Callable[[], Any], int]],
+                 repeat: int, min_time: float, sync: Callable[[], Any] | None = None,
+                 max_time: float = float("inf")) -> CopyRatio:
+    """Time ``fn`` in rounds with ``copies`` (``[(copy, threads), ...]`` from
+    :class:`CopyBaseline`) as :func:`round_times` does, with the same
+    ``repeat``, ``min_time``, ``sync`` and ``max_time``."""
+    if not copies:
+        raise ConfigError("Invalid copies: expected at least one copy to compare with, got none")
+    rounds = round_times([fn] + [c for c, _ in copies], repeat, min_time, sync, max_time)
+    best = [min(column) for column in zip(*rounds)]
+    copy_seconds, threads = min(zip(best[1:], (t for _, t in copies)))
+    return CopyRatio(best[0], copy_seconds, threads, [min(r[1:]) / r[0] for r in rounds])
+
+
+# ------------------------------------- rounds of whole runs, and their summaries
+def rotated(items: Sequence[K], round_idx: int) -> list[K]:
+    """``items`` in the order of round ``round_idx``: round r starts at item
+    r mod n, so that no item always runs first (on a cold cache, or right
+    after another's allocations)."""
+    start = round_idx % len(items) if len(items) else 0
+    return list(items[start:]) + list(items[:start])
+
+
+def interleave(fns: Mapping[K, Callable[[], T]], rounds: int, rotate: bool = True,
+               on_result: Callable[[int, K, T], Any] | None = None) -> dict[K, list[T]]:
+    """Call each of ``fns`` once a round for ``rounds`` rounds, so that all
+    share the machine's load as it changes, and collect what they return.
+
+    Parameters
+    ----------
+    fns : mapping of key to callable
+        The ways to compare; wrap one in :func:`timed` to collect its time.
+    rounds : int
+        How many times each is called, at least 1.
+    rotate : bool
+        Rotate the order from round to round (:func:`rotated`); otherwise
+        the mapping's order every round.
+    on_result : callable, optional
+        Called as ``on_result(round_idx, key, result)`` after each call, to
+        print progress.
+
+    Returns
+    -------
+    dict of key to list
+        Each key's results, round by round, in the mapping's order.
+    """
+    if not is_int(rounds) or rounds < 1:
+        raise ConfigError(f"Invalid rounds: expected an int >= 1, got {rounds!r}")
+    keys = list(fns)
+    out: dict[K, list[T]] = {key: [] for key in keys}
+    for r in range(int(rounds)):
+        for key in rotated(keys, r) if rotate else keys:
+            result = fns[key]()
+            out[key].append(result)
+            if on_result is not None:
+                on_result(r, key, result)
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> Callable[[], float]:
+    """``fn`` as a call that returns its wall-clock seconds."""
+    def call() -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    return call
+
+
+def timed_cpu(fn: Callable[[], Any]) -> Callable[[], tuple[float, float]]:
+    """``fn`` as a call that returns its (wall-clock, process CPU) seconds."""
+    def call() -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    return call
+
+
+class Spread(NamedTuple):
+    """A figure over rounds: its median and its range."""
+
+    median: float
+    low: float
+    high: float
+
+
+def _figures(values: Iterable[float], name: str) -> list[float]:
+    xs = [float(v) for v in values]
+    if not xs:
+        raise ConfigError(f"Invalid {name}: expected at least one figure, got none")
+    return xs
+
+
+def spread(values: Iterable[float]) -> Spread:
+    """The median, min and max of ``values`` (at least one)."""
+    xs = _figures(values, "values")
+    return Spread(statistics.median(xs), min(xs), max(xs))
+
+
+def fmt_spread(values: Iterable[float], digits: int = 1) -> str:
+    """``"median (min-max)"`` of ``values``, the median alone when all are equal."""
+    s = spread(values)
+    if s.low == s.high:
+        return f"{s.median:.{digits}f}"
+    return f"{s.median:.{digits}f} ({s.low:.{digits}f}-{s.high:.{digits}f})"
+
+
+def medians(runs: Sequence[Mapping[str, float]], keys: Iterable[str]) -> dict[str, float]:
+    """The median over ``runs`` (one mapping a round) of each of ``keys``."""
+    return {key: statistics.median(_figures((run[key] for run in runs), "runs"))
+            for key in keys}
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The ``q``-th percentile (0 to 100) of ``values``, linear between
+    neighbours, as ``numpy.percentile``'s default."""
+    xs = sorted(_figures(values, "values"))
+    if not 0 <= q <= 100:
+        raise ConfigError(f"Invalid q: expected a percentile from 0 to 100, got {q!r}")
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def run_json(argv: Sequence[str], timeout: float | None = None,
+             env: Mapping[str, str] | None = None, marker: str = "") -> Any:
+    """Run ``argv`` in a fresh process and parse the last line of its output
+    that starts with ``marker`` (the marker removed) as JSON: one
+    measurement, in a process that no other run has warmed up.
+
+    Raises
+    ------
+    subprocess.CalledProcessError
+        The process failed; its standard error is copied to ours first.
+    ConfigError
+        It printed no line starting with ``marker``.
+    """
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else dict(env))
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-8000:])
+        raise subprocess.CalledProcessError(proc.returncode, list(argv), proc.stdout,
+                                            proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(marker) and ln.strip()]
+    if not lines:
+        raise ConfigError(f"Invalid output of {argv[:3]}: no line starts with {marker!r}")
+    return json.loads(lines[-1][len(marker):])
