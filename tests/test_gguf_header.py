@@ -167,3 +167,21 @@ def test_bad_max_context(tmp_path, bad):
     with pytest.raises(ConfigError, match="max_context"):
         import_gguf(spec.path, cache_dir=cache, max_context=bad)
     assert list(cache.iterdir()) == []
+
+
+def _bytes_read() -> int:
+    """Bytes this process has read through read() calls so far (Linux)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+@pytest.mark.parametrize("lie", [dict(arch="falcon"), dict(block_count=10**7),
+                                 dict(tensor_types={"blk.1.ffn_up.weight": Q.IQ4_NL})])
+def test_a_refused_file_is_neither_hashed_nor_read(tmp_path, lie):
+    """Refusals come from the header: the file's 2.4 MB of tensors are not read
+    (not even to hash it) and its vocabulary is not decoded."""
+    spec = write_gguf(tmp_path / "m.gguf", sizes=dict(intermediate_size=2048), **lie)
+    before = _bytes_read()
+    with pytest.raises(UnsupportedModelError):
+        import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    assert _bytes_read() - before < 256 << 10

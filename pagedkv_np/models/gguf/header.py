@@ -55,6 +55,7 @@ _SCALARS = {0: ("<B", "<u1"), 1: ("<b", "<i1"), 2: ("<H", "<u2"), 3: ("<h", "<i2
             4: ("<I", "<u4"), 5: ("<i", "<i4"), 6: ("<f", "<f4"), 7: ("<?", "<u1"),
             10: ("<Q", "<u8"), 11: ("<q", "<i8"), 12: ("<d", "<f8")}
 _BOOL = 7
+_U64 = struct.Struct("<Q")
 # plain element types of tensors (the rest are ggml blocks, read as bytes)
 _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8,
           "I16": np.int16, "I32": np.int32, "I64": np.int64}
@@ -207,11 +208,30 @@ class _Reader:
         except UnicodeDecodeError:
             raise self.fail(f"{what} is not UTF-8") from None
 
-    def skip_strings(self, count: int, what: str) -> None:
-        for _ in range(count):
-            n = self.scalar("<Q", what)
-            self.need(n, what)
-            self.pos += n
+    def strings(self, count: int, what: str, decode: bool) -> list[str]:
+        """``count`` strings (an empty list when not ``decode``: only skipped);
+        one tight loop, bounds checked once at the end, as vocabularies are long."""
+        unpack, buf, pos = _U64.unpack_from, self.buf, self.pos
+        out: list[str] = []
+        append = out.append
+        try:
+            if decode:
+                for _ in range(count):
+                    n = unpack(buf, pos)[0]
+                    pos += 8
+                    append(str(buf[pos:pos + n], "utf-8"))
+                    pos += n
+            else:
+                for _ in range(count):
+                    pos += 8 + unpack(buf, pos)[0]
+        except struct.error:
+            raise self.fail(f"{what} runs past the end of the file") from None
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not UTF-8") from None
+        if pos > self.size:
+            raise self.fail(f"{what} runs past the end of the file")
+        self.pos = pos
+        return out
 
     def value(self, vtype: int, what: str, lazy: bool) -> Any:
         if vtype in _SCALARS:
@@ -232,7 +252,7 @@ class _Reader:
             return self.array_elements(etype, count, what)
         start = self.pos
         if etype == _STRING:
-            self.skip_strings(count, what)
+            self.strings(count, what, decode=False)
         else:
             self.pos += count * struct.calcsize(least)
         return _Array(etype, count, start, self.pos)
@@ -245,6 +265,8 @@ class _Reader:
             values = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
             self.pos += nbytes
             return values.astype(bool).tolist() if etype == _BOOL else values.tolist()
+        if etype == _STRING:
+            return self.strings(count, what, decode=True)
         return [self.value(etype, what, lazy=False) for _ in range(count)]
 
 

@@ -268,23 +268,37 @@ def _served(f: GGUFFile, c: DecoderGeometry, opts: _Options) -> DecoderGeometry:
     return dataclasses.replace(c, max_positions=min(c.max_positions, opts.max_context))
 
 
-def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
-    """Write the model folder's files into ``folder`` (an empty directory).
+@dataclasses.dataclass(frozen=True)
+class _Header:
+    """A file whose header passed every check, and what the checks read."""
 
-    Everything the header shows (types, layers, architecture, geometry,
-    vocabulary size) is checked before the vocabulary or a tensor is read."""
+    file: GGUFFile
+    arch: str
+    geometry: DecoderGeometry        # with the served context
+    file_context: int
+
+
+def _check(path: str, opts: _Options) -> _Header:
+    """Everything the header shows (types, layers, architecture, geometry,
+    vocabulary size), checked before the vocabulary or a tensor is read, and
+    before the file is hashed: a file that will be refused is refused at once."""
     f = GGUFFile(path)
     _check_header(f)
     arch, c = read_geometry(f)
-    file_context = c.max_positions
-    c = _served(f, c, opts)
+    served = _served(f, c, opts)
     if opts.family == "gqa" and c.head_dim % 16:
         raise UnsupportedModelError(f"{path!r}: head size {c.head_dim} is not a multiple of "
                                     "16, which GroupQueryAttention needs; use family='optimum'")
+    return _Header(f, arch, served, c.max_positions)
+
+
+def _build(header: _Header, folder: Path, opts: _Options, provenance: dict) -> None:
+    """Write the model folder's files into ``folder`` (an empty directory)."""
+    f, arch, c, file_context = header.file, header.arch, header.geometry, header.file_context
     text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
     graph_geometry, tensors = read_weights(f, arch, c, opts.weights,
                                        kept_blocks(opts.weights, opts.accuracy_level))
-    del f
+    del f, header
     # weights stream into model.onnx.data as the graph takes them: held once, not thrice
     model = build_decoder(graph_geometry, tensors, family=opts.family,
                           accuracy_level=opts.accuracy_level, name=f"{arch}_{opts.weights}",
@@ -300,7 +314,8 @@ def _build(path: str, folder: Path, opts: _Options, provenance: dict) -> None:
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_atomically(path: str, target: Path, opts: _Options, provenance: dict) -> Path:
+def _write_atomically(path: str, header: _Header, target: Path, opts: _Options,
+                      provenance: dict) -> Path:
     """Build into a fresh directory beside ``target``, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
@@ -311,7 +326,7 @@ def _write_atomically(path: str, target: Path, opts: _Options, provenance: dict)
         with long_wait(logger, f"importing {os.path.basename(path)} ({size_mb:.0f} MB) "
                                f"into {target}", f"about {max(1, round(size_mb / 5))} s on "
                                "2 cores, once: the folder is kept"):
-            _build(path, tmp, opts, provenance)
+            _build(header, tmp, opts, provenance)
         try:
             os.replace(tmp, target)
         except OSError:
@@ -336,9 +351,10 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights
     source = os.fspath(path)
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
+    header = _check(source, opts)
     if target.is_dir():
         target.rmdir()
-    return _write_atomically(source, target, opts, opts.provenance(source))
+    return _write_atomically(source, header, target, opts, opts.provenance(source))
 
 
 def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "gqa",
@@ -392,10 +408,13 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
     root = Path(cache_dir) if cache_dir is not None else cache_dir_default()
+    header = _check(source, opts)
     digest = file_digest(source, root, save=False)
     target = root / f"{digest[:32]}-{opts.tag}-v{FORMAT_VERSION}"
     if not ((target / "model.onnx").is_file() and (target / "config.json").is_file()):
-        _write_atomically(source, target, opts, dict(opts.provenance(source), sha256=digest))
+        _write_atomically(source, header, target, opts,
+                          dict(opts.provenance(source), sha256=digest))
+    del header
     file_digest(source, root)     # remembered for the next process, once the folder is there
     return target
 
