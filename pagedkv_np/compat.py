@@ -76,6 +76,8 @@ class PagedCache:
     hash_secret : bytes, optional
         Key of the chained prefix hashes.
 
+    Notes
+    -----
     Differences from the seed: page ids are validated everywhere; a double
     free raises :class:`PageStateError`; prefix hashes are chained and keyed
     and every hit is verified against the stored tokens; ``alloc_n`` is
