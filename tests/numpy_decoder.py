@@ -1,7 +1,10 @@
 """An independent NumPy forward pass of a GGUF decoder, for tests.
 
 Written from the file's own conventions, apart from the package's reader and
-graph builder: tensors are read with ``gguf.GGUFReader`` and
+graph builder: the header is walked here (:func:`read_gguf`, after ggml's
+``gguf.md``; ``gguf.GGUFReader`` took 97 s on Gemma 3's 262,144-token
+vocabulary on a busy 2-core machine, this walk well under a second, and
+``tests/test_gguf_arch.py`` checks the two agree), tensors are decoded with
 ``gguf.quants.dequantize`` and used as GGUF stores them (``[out, in]`` rows,
 ``y = x @ W.T``); a ``llama`` file's permuted Q/K rows are rotated pairwise
 (interleaved RoPE, as llama.cpp computes it) instead of being put back in
@@ -12,21 +15,91 @@ gemma3 as llama.cpp's ``src/models/*.cpp`` describe them.
 
 from __future__ import annotations
 
+import struct
+
 import gguf
 import numpy as np
 
-__all__ = ["GGUFDecoder"]
+__all__ = ["GGUFDecoder", "read_gguf"]
+
+# GGUF value types: struct format of the scalars, 8 = string, 9 = array
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+            10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf(path: str, max_array: int = 4096) -> tuple[dict, dict]:
+    """(metadata, tensors) of a GGUF file, without ``gguf.GGUFReader``.
+
+    Metadata arrays longer than ``max_array`` (a vocabulary) are skipped.
+    Tensors map name -> (ggml type, array as ``GGUFReader`` gives it: float
+    types shaped [..., row], block types uint8 [..., bytes per row]).
+    """
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    raw = memoryview(buf)
+    at = 0
+
+    def take(fmt):
+        nonlocal at
+        value = struct.unpack_from(fmt, raw, at)
+        at += struct.calcsize(fmt)
+        return value[0]
+
+    def string():
+        nonlocal at
+        n = take("<Q")
+        at += n
+        return bytes(raw[at - n:at]).decode("utf-8")
+
+    def value(kind):
+        if kind in _SCALARS:
+            return take(_SCALARS[kind])
+        if kind == 8:
+            return string()
+        elem, count = take("<I"), take("<Q")
+        items = [value(elem) for _ in range(count)]
+        return items if count <= max_array else None
+
+    if bytes(raw[:4]) != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    at = 4
+    take("<I")
+    num_tensors, num_kv = take("<Q"), take("<Q")
+    meta = {}
+    for _ in range(num_kv):
+        key = string()
+        item = value(take("<I"))
+        if item is not None:
+            meta[key] = item
+    infos = []
+    for _ in range(num_tensors):
+        name = string()
+        dims = [take("<Q") for _ in range(take("<I"))]
+        infos.append((name, dims, gguf.GGMLQuantizationType(take("<I")), take("<Q")))
+    align = meta.get("general.alignment", 32)
+    start = (at + align - 1) // align * align
+    tensors = {}
+    for name, dims, qtype, offset in infos:
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        shape = list(reversed(dims))
+        nbytes = int(np.prod(dims)) // block * size
+        data = buf[start + offset:start + offset + nbytes]
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            data = data.view(np.float32 if qtype == gguf.GGMLQuantizationType.F32
+                             else np.float16).reshape(shape)
+        else:
+            data = data.reshape(shape[:-1] + [shape[-1] // block * size])
+        tensors[name] = (qtype, data)
+    return meta, tensors
 
 
 class GGUFDecoder:
     """The decoder a GGUF file holds, run in float32 (float64 for RoPE angles)."""
 
     def __init__(self, path: str) -> None:
-        r = gguf.GGUFReader(path)
-        meta = {name: field.contents() for name, field in r.fields.items()}
+        meta, tensors = read_gguf(path)
         self.arch = a = meta["general.architecture"]
-        self.t = {t.name: gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-                  for t in r.tensors}
+        self.t = {name: gguf.quants.dequantize(data, qtype).astype(np.float32)
+                  for name, (qtype, data) in tensors.items()}
         self.n_layer = meta[f"{a}.block_count"]
         self.n_embd = meta[f"{a}.embedding_length"]
         self.n_head = meta[f"{a}.attention.head_count"]
