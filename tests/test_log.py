@@ -99,3 +99,23 @@ def test_warmup_says_what_it_does():
            "cores when nothing is cached, minutes on a busy machine; under a second once " \
            f"they are cached in {where}) ..." in proc.stdout
     assert re.search(r"warmup: compiling the Numba kernels: done in \d+\.\d s", proc.stdout)
+
+
+def test_a_gguf_import_says_what_it_does_once(tmp_path, caplog):
+    from pagedkv_np.models.gguf.importer import import_gguf
+    from test_gguf_import import write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        folder = import_gguf(path, cache_dir=tmp_path / "models")
+    lines = [r.getMessage() for r in caplog.records
+             if r.name == "pagedkv_np.models.gguf.importer"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("importing tiny.gguf (0 MB) into ")
+    assert lines[0].endswith("(about 1 s on 2 cores, once: the folder is kept) ...")
+    assert re.fullmatch(r"importing tiny\.gguf \(0 MB\) into .*: done in \d+\.\d s", lines[1])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=LOGGER_NAME):
+        assert import_gguf(path, cache_dir=tmp_path / "models") == folder
+    assert not [r for r in caplog.records if "importing" in r.getMessage()]   # cached: silent
