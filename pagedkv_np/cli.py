@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="pagedkv",
-        description="A paged K/V cache with prefix reuse for LLM generation on CPU: "
+        description="A paged K/V cache with prefix reuse for LLM generation on CPU:\n"
                     "a demo, a benchmark and an OpenAI-compatible server.",
         epilog="Run 'pagedkv COMMAND --help' for a command's options.\n\n" + EXIT_STATUS,
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,7 +48,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true",
                    help="no progress lines on stderr (what a long wait is doing: compiling "
                         "kernels, importing a model; default: shown)")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", title="commands",
+                           help="what to run (default: print this help)")
     for name, (description, _) in COMMANDS.items():
         # the subcommand's own parser handles its options and its --help
         sub.add_parser(name, help=description, description=description, add_help=False)
