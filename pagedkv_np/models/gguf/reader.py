@@ -404,12 +404,12 @@ def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> 
         return gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     if key == "embed":      # gathered by rows: float [vocab, hidden]
         dtype = np.float16 if mode == "float16" else np.float32
-        return gguf.quants.dequantize(raw, qtype).astype(dtype)
+        return gguf.quants.dequantize(raw, qtype).astype(dtype, copy=False)
     if qtype in blocks:
         return BlockQuantized(blocks[qtype], raw)
     if mode == "q4":
         dtype = np.float16 if qtype == _Q.F16 else np.float32
     else:
         dtype = np.float16 if mode == "float16" else np.float32
-    return np.ascontiguousarray(gguf.quants.dequantize(raw, qtype).astype(dtype).T)
+    return np.ascontiguousarray(gguf.quants.dequantize(raw, qtype).astype(dtype, copy=False).T)
 
