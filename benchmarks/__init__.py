@@ -11,10 +11,17 @@ alloc+free pair, a lookup) therefore build their data once per process
 through :func:`memo` and hand the same objects back on every later
 ``setup``; classes whose calls change state rebuild it in ``setup`` and set
 ``number = 1``.
+
+Beside the suite, ``pagedkv bench`` (``pagedkv_np/bench/``) prints the
+standard cases on one machine, and ``scripts/bench_*.py`` run what is too
+long for a commit-by-commit suite or needs a peer runtime (see
+``docs/benchmarks.md``); those share ``pagedkv_np.bench.timing``, which this
+suite does not import.
 """
 
 from __future__ import annotations
 
+import abc
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -142,3 +149,42 @@ def bandwidth(run: Callable[[], Any], nbytes: int, backend=None) -> tuple[float,
     times = best_times([run] + copies)
     copied = 2 * max(nbytes // 2, 64)
     return nbytes / times[0] / 1e9, copied / min(times[1:]) / 1e9
+
+
+class MoveCase(abc.ABC):
+    """A data move, built once per process and warmed up (JIT compilation
+    and first-touch page faults stay out of the timings), timed by the
+    subclass's ``time_*`` method and compared with a plain copy of the same
+    bytes (``track_ratio_to_copy``).
+
+    A subclass gives ``params``, ``param_names`` (the backend name first)
+    and ``build(backend, *params) -> (run, nbytes, backend)``, where ``run``
+    is one synchronised call and ``nbytes`` the bytes it reads plus writes.
+    Abstract, so that asv does not take the base class for a benchmark.
+    """
+
+    # One call per sample under recent asv_runner: take more samples than
+    # asv's default 10, within 2 s.
+    repeat: Any = (10, 200, 2.0)
+
+    @staticmethod
+    @abc.abstractmethod
+    def build(backend, *params) -> tuple[Callable[[], Any], int, Any]:
+        """``(run, nbytes, backend)`` of one parameter combination."""
+
+    def setup(self, backend_name, *params):
+        backend = backend_or_skip(backend_name)
+
+        def build_and_warm_up():
+            case = self.build(backend, *params)
+            case[0]()
+            return case
+
+        key = (type(self).__name__, backend_name) + params
+        self.run, self.nbytes, self.backend = memo(key, build_and_warm_up)
+
+    def track_ratio_to_copy(self, *params):
+        gbps, copy_gbps = bandwidth(self.run, self.nbytes, self.backend)
+        return gbps / copy_gbps
+
+    track_ratio_to_copy.unit = "ratio"

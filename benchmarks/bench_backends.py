@@ -12,8 +12,8 @@ import numpy as np
 
 from pagedkv_np import KVStore
 
-from . import (BACKENDS, DTYPES, HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, backend_or_skip,
-               bandwidth, memo, with_sync)
+from . import (BACKENDS, DTYPES, HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, MoveCase, bandwidth,
+               with_sync)
 
 
 def _store(backend, dtype, num_layers, num_pages, layout):
@@ -29,35 +29,13 @@ def _shuffled_pages(num_pages, seed=0):
     return np.random.default_rng(seed).permutation(num_pages).astype(np.int32)
 
 
-class _Move:
-    """Shared setup: build the case once per process, warm it up (JIT
-    compilation and first-touch page faults stay out of the timings)."""
-
-    # One call per sample under recent asv_runner: take more samples than
-    # asv's default 10, within 2 s.
-    repeat = (10, 200, 2.0)
-
-    def setup(self, backend_name, *params):
-        backend = backend_or_skip(backend_name)
-
-        def build_and_warm_up():
-            case = self.build(backend, *params)
-            case[0]()
-            return case
-
-        key = (type(self).__name__, backend_name) + params
-        self.run, self.nbytes, self.backend = memo(key, build_and_warm_up)
+class _Move(MoveCase):
+    """A move of the backend interface, with its bandwidth tracked too."""
 
     def track_gbps(self, *params):
         return bandwidth(self.run, self.nbytes, self.backend)[0]
 
     track_gbps.unit = "GB/s"
-
-    def track_ratio_to_copy(self, *params):
-        gbps, copy_gbps = bandwidth(self.run, self.nbytes, self.backend)
-        return gbps / copy_gbps
-
-    track_ratio_to_copy.unit = "ratio"
 
 
 def _gather_case(backend, dtype, store_layout, out_layout, size):

@@ -11,7 +11,7 @@ of groups::
 layer is contiguous in both arrays, so copying a page's codes and its
 scales is the whole of a page copy.
 
-The format, chosen by measurement (``scripts/bench_quant.py --only quality``):
+The format, chosen by measurement (``scripts/quant_quality.py --only groups``):
 
 * **Groups of 32 along head_dim** (:func:`group_size`), one scale per
   token, head and group; a head_dim that 32 does not divide is one group.

