@@ -12,9 +12,8 @@ runs with one intra-op thread, without spinning; rows of activations M = 1
 Run: ``.venv/bin/python scripts/bench_gguf_types.py [--k 2048] [--n 2048] [--reps 50]``.
 
 Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, shared with
-other jobs, load average 3-5: medians move by 2x, the best of 50 less)::
-
-    see the table in pagedkv_np/models/gguf/blocks.py
+other jobs, load average 9-12: medians move by 2x, the best of 50 less): the
+table in :mod:`pagedkv_np.models.gguf.blocks`.
 """
 
 from __future__ import annotations

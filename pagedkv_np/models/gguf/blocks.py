@@ -33,20 +33,35 @@ in 12 bytes; ``d``, ``dmin`` and ``m`` are float16.) Layouts as in ggml's
 ``ggml-common.h``; every decoder here is checked against
 ``gguf.quants.dequantize`` in ``tests/test_gguf_types.py``.
 
-Why each type runs as it does (onnxruntime 1.32 on this 2-core CPU, one
-thread, 2048 x 2048 weight, one row of activations, best of 50;
-``scripts/bench_gguf_types.py`` measures it again): a float32 MatMul took
-1.2 ms; 4-bit MatMulNBits 1.0-1.2 ms at accuracy_level 0 (float32
-activations, exact) and 0.20 ms at level 4 (int8 activations); 4-bit with
-block 16 0.84 / 0.29 ms; 8-bit 18-47 ms at level 0 but 0.25 ms at level 4;
-2-bit 23-68 ms at either level. So codes of 4 bits or fewer (Q4_0, Q4_1,
-Q4_K, Q3_K, Q2_K) run as 4-bit MatMulNBits at any level (Q2_K's and Q3_K's
-codes widened to 4 bits: onnxruntime's 2-bit kernels are slow), and the
-5-8-bit types run as 8-bit MatMulNBits only with int8 activations
-(:func:`~pagedkv_np.models.gguf.reader.kept_blocks`); otherwise they are
-dequantized to float32, which is exact and as fast. (Two 4-bit MatMulNBits
-of the low and high nibbles would carry an 8-bit code exactly at level 0,
-but cost 2.7 ms.)
+Why each type runs as it does: ``scripts/bench_gguf_types.py``, a 2048 x
+2048 weight of random blocks, one thread, milliseconds (best of 50 calls at
+M = 1 row of activations, best of 10 at M = 32), onnxruntime 1.32 on this
+2-core machine under load (load average 12, 2026-12-01)::
+
+    layer                      M=1 acc0  acc4    M=32 acc0  acc4
+    float32 MatMul               1.18               9.8
+    Q4_0 4-bit / 32              0.81    0.17       9.0     3.5
+    Q4_1 4-bit / 32 + sums       1.02    0.23       9.3     8.0
+    Q4_K 4-bit / 32 + sums       1.02    0.23       9.2     8.2
+    Q3_K 4-bit / 16              0.96    0.26       9.3    12.2
+    Q2_K 4-bit / 16 + sums       1.16    0.30       5.5     9.2
+    Q5_0 8-bit / 32             56.9     0.19      62.0     5.3
+    Q5_1 8-bit / 32 + sums      45.6     0.22      69.1    10.0
+    Q5_K 8-bit / 32 + sums      42.5     0.21      44.5     5.7
+    Q6_K 8-bit / 16             33.8     0.27     112.0    15.4
+    Q8_0 8-bit / 32             43.2     0.19      48.1     9.5
+
+(An earlier run: float32 2.4 ms, 8-bit at level 0 56-78 ms; 2-bit
+MatMulNBits, tried for Q2_K, 23-68 ms at either level.) So codes of 4 bits
+or fewer (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K) run as 4-bit MatMulNBits at any
+level, at float32's speed or better with a seventh of its bytes (Q2_K's and
+Q3_K's codes widened to 4 bits: onnxruntime's 2-bit kernels are slow), and
+the 5-8-bit types run as 8-bit MatMulNBits only with int8 activations
+(:func:`~pagedkv_np.models.gguf.reader.kept_blocks`); at level 0 they are
+dequantized to float32, which is exact and 30-50x faster than 8-bit there.
+(Two 4-bit MatMulNBits of the low and high nibbles would carry an 8-bit
+code exactly at level 0 with a quarter of float32's bytes, but took 2.7 ms
+against float32's 1.2 in a first trial.)
 
 ggml stores a 4-bit block as ``low nibbles = first half, high nibbles =
 second half``; MatMulNBits packs consecutive codes in a byte (low nibble

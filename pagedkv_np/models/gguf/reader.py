@@ -302,7 +302,7 @@ def kept_blocks(mode: str, accuracy_level: int) -> dict:
     Q4_K, Q3_K, Q2_K) at any ``accuracy_level``, and the 5-8-bit types
     (Q5_0, Q5_1, Q5_K, Q6_K, Q8_0) only with int8 activations
     (``accuracy_level=4``): onnxruntime 1.32's 8-bit MatMulNBits at level 0
-    took 15-40x the time of a float32 MatMul here, and float32 holds those
+    took 25-50x the time of a float32 MatMul here, and float32 holds those
     values exactly (figures: :mod:`pagedkv_np.models.gguf.blocks`).
     """
     if mode != "q4":
