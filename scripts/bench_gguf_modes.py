@@ -12,13 +12,15 @@ with int8 activations):
 - decode tokens/s at batch 1 through OrtDecoder: greedy, 64 new tokens after
   the ChatML prompt "What is the capital of France?", prefill excluded; all
   modes are loaded in one process and their runs take turns, round after
-  round, so that they share the machine's load; the median over rounds;
+  round, so that they share the machine's load
+  (:func:`pagedkv_np.bench.timing.interleave`); the median over rounds;
 - beside it, the process CPU ms per decoded token with one intra-op thread
   (a busy machine moves it less than wall time);
 - how many of each mode's greedy tokens equal float32's before the first
   that differs (float32 is the baseline of every column).
 
 Run: ``.venv/bin/python scripts/bench_gguf_modes.py [--rounds 5] [--tokens 64]``.
+No asv sibling: it needs the SmolLM2 wheel and minutes of imports.
 
 Measured on this 2-core machine (2026-12-01, onnxruntime 1.32, load average
 10-13 from other jobs: the min/max columns show how much the load moved the
@@ -44,14 +46,16 @@ import importlib.util
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedkv_np.bench.timing import interleave, spread  # noqa: E402
 
 PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 # name -> (weights, accuracy_level)
@@ -123,13 +127,13 @@ def decode_rate(dec, prompt: list[int], tokens: int) -> tuple[float, float, list
     return (len(out) - 1) / seconds, 1e3 * cpu / (len(out) - 1), out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--child-import", nargs=2, metavar=("MODE", "CACHE"))
     parser.add_argument("--child-serve", metavar="FOLDER")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child_import:
         child_import(*args.child_import)
         return 0
@@ -164,21 +168,21 @@ def main() -> int:
         decoders = {name: OrtDecoder(row["folder"] / "model.onnx") for name, row in rows.items()}
         single = {name: OrtDecoder(row["folder"] / "model.onnx", session_options=one)
                   for name, row in rows.items()}
-        rates: dict[str, list[float]] = {name: [] for name in rows}
-        cpu_ms: dict[str, list[float]] = {name: [] for name in rows}
         outputs: dict[str, list[int]] = {}
-        changed: set[str] = set()     # modes whose tokens differ from run to run
         for name, dec in decoders.items():          # warm-up: first-run allocations
             outputs[name] = decode_rate(dec, prompt, args.tokens)[2]
             decode_rate(single[name], prompt, args.tokens)
-        for r in range(args.rounds):
-            order = list(decoders) if r % 2 == 0 else list(reversed(decoders))
-            for name in order:
-                rate, _, out = decode_rate(decoders[name], prompt, args.tokens)
-                rates[name].append(rate)
-                cpu_ms[name].append(decode_rate(single[name], prompt, args.tokens)[1])
-                if out != outputs[name]:
-                    changed.add(name)
+
+        def one_run(name: str) -> tuple[float, float, bool]:
+            """(tokens/s, CPU ms per token on one thread, tokens as in the warm-up)."""
+            rate, _, out = decode_rate(decoders[name], prompt, args.tokens)
+            return rate, decode_rate(single[name], prompt, args.tokens)[1], out == outputs[name]
+
+        runs = interleave({name: partial(one_run, name) for name in decoders}, args.rounds)
+        rates = {name: [r[0] for r in rs] for name, rs in runs.items()}
+        cpu_ms = {name: [r[1] for r in rs] for name, rs in runs.items()}
+        # modes whose tokens differ from run to run
+        changed = {name for name, rs in runs.items() if not all(r[2] for r in rs)}
 
         mib = 1 << 20
         print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, batch 1, {args.tokens} greedy tokens, "
@@ -191,10 +195,11 @@ def main() -> int:
             imp, irss = f"{row['import_s']:.1f}", f"{row['import_rss'] / mib:.0f}"
             same = next((i for i, (a, b) in enumerate(zip(outputs[name], outputs["float32"]))
                          if a != b), min(len(outputs[name]), len(outputs["float32"])))
+            rate = spread(rates[name])
             print(f"{name:<9}{row['size'] / mib:>9.0f}{imp:>9}{irss:>8}"
-                  f"{row['serve_peak'] / mib:>8.0f}{statistics.median(rates[name]):>8.1f}"
-                  f"{min(rates[name]):>7.1f}{max(rates[name]):>7.1f}"
-                  f"{statistics.median(cpu_ms[name]):>8.2f}  "
+                  f"{row['serve_peak'] / mib:>8.0f}{rate.median:>8.1f}"
+                  f"{rate.low:>7.1f}{rate.high:>7.1f}"
+                  f"{spread(cpu_ms[name]).median:>8.2f}  "
                   f"{same}/{len(outputs['float32'])}"
                   + ("  (differ between runs)" if name in changed else ""))
         print(f"\nq4 answer: {tok.decode(outputs['q4'])!r}")

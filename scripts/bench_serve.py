@@ -3,8 +3,8 @@
 Workload: ``--clients`` chats (default 32) sharing one ~400-token system
 prompt, each with its own question, ``--max-tokens`` new tokens (default 32),
 greedy, all sent at once. Three ways to run it, interleaved over
-``--rounds`` rounds (each round under a fresh cache salt, so no round reuses
-another's pages):
+``--rounds`` rounds, the order rotating (each run under a fresh cache salt,
+so no run reuses another's pages):
 
 http
     ``pagedkv serve`` in a subprocess on 127.0.0.1, the clients streaming
@@ -30,7 +30,9 @@ the HTTP work: parsing, tokenizing, SSE), and of the clients, which share
 the server's cores on loopback.
 
 Run: ``.venv/bin/python scripts/bench_serve.py`` (``--quick``: 4 clients,
-8 tokens, 1 round, a smoke run).
+8 tokens, 1 round, a smoke run). Rounds, medians and percentiles come from
+:mod:`pagedkv_np.bench.timing`. No asv sibling: it needs the model and
+server processes.
 
 Measured on this 2-core machine (2026-12-01, SmolLM2-135M-Instruct q4,
 load average 5-10 from other jobs), ``--rounds 5``, medians over rounds::
@@ -57,7 +59,6 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -73,6 +74,7 @@ import psutil  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pagedkv_np.bench.timing import interleave, medians, percentile  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
 from pagedkv_np.serve.command import session_options  # noqa: E402
 
@@ -119,15 +121,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def percentile(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 class Server:
@@ -316,8 +309,9 @@ def summarize(run: dict, wants: list[str]) -> dict:
     ttfts = [r["ttft"] for r in ok if r["ttft"] is not None]
     tokens = sum(r["tokens"] for r in ok)
     return {"errors": len(errors), "first_error": errors[0] if errors else None,
-            "mismatches": mismatches, "ttft_p50": percentile(ttfts, 0.5),
-            "ttft_p95": percentile(ttfts, 0.95), "tokens": tokens,
+            "mismatches": mismatches,
+            "ttft_p50": percentile(ttfts, 50) if ttfts else float("nan"),
+            "ttft_p95": percentile(ttfts, 95) if ttfts else float("nan"), "tokens": tokens,
             "tokens_per_s": tokens / run["wall"], "wall": run["wall"],
             "server_cpu_ms_per_token": run["server_cpu"] / tokens * 1e3,
             "client_cpu_ms_per_token": run["client_cpu"] / tokens * 1e3,
@@ -363,28 +357,35 @@ def main(argv: list[str] | None = None) -> int:
     with_reuse = Server(args)
     without_reuse = Server(args, "--no-prefix-caching")
     engine = EngineWorker(args, questions)
-    rows: dict[str, list[dict]] = {"http": [], "in-process": [], "http, no prefix reuse": []}
     try:
         for server in (with_reuse, without_reuse):   # first calls compile and allocate
             warm = run_http(server, questions[:2], 4, "warm-up")
             assert not any("error" in r for r in warm["results"]), warm
-        for r in range(args.rounds):
-            salt = f"round-{r}-{time.time_ns()}"
-            rows["http"].append(summarize(run_http(with_reuse, questions, args.max_tokens, salt),
-                                          wants))
-            rows["in-process"].append(summarize(engine.run(args.max_tokens, salt), wants))
-            rows["http, no prefix reuse"].append(summarize(run_http(
-                without_reuse, questions, args.max_tokens, salt), wants))
-            print(f"round {r + 1}/{args.rounds}: " + ", ".join(
-                f"{k} {v[-1]['tokens_per_s']:.1f} tok/s" for k, v in rows.items()), flush=True)
+
+        def salt() -> str:
+            return f"run-{time.time_ns()}"
+
+        def progress(r: int, way: str, row: dict) -> None:
+            print(f"round {r + 1}/{args.rounds}: {way} {row['tokens_per_s']:.1f} tok/s",
+                  flush=True)
+
+        n = args.max_tokens
+        ways = {
+            "http": lambda: summarize(run_http(with_reuse, questions, n, salt()), wants),
+            "in-process": lambda: summarize(engine.run(n, salt()), wants),
+            "http, no prefix reuse": lambda: summarize(
+                run_http(without_reuse, questions, n, salt()), wants),
+        }
+        rows = interleave(ways, args.rounds, on_result=progress)
     finally:
         with_reuse.stop()
         without_reuse.stop()
         engine.stop()
 
-    med = {k: {f: statistics.median(x[f] for x in v) for f in
-               ("ttft_p50", "ttft_p95", "tokens_per_s", "wall", "server_cpu_ms_per_token",
-                "client_cpu_ms_per_token", "loop_cpu_share")} for k, v in rows.items()}
+    med = {k: medians(v, ("ttft_p50", "ttft_p95", "tokens_per_s", "wall",
+                          "server_cpu_ms_per_token", "client_cpu_ms_per_token",
+                          "loop_cpu_share"))
+           for k, v in rows.items()}
     print(f"\nmedians over {args.rounds} round(s)")
     print(f"{'':24}{'errors':>7}{'wrong':>7}{'TTFT p50':>10}{'TTFT p95':>10}{'tok/s':>8}"
           f"{'wall s':>8}{'CPU ms/token':>14}{'clients':>9}")

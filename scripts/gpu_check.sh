@@ -39,7 +39,7 @@ timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_cupy_gpu.py \
     2>&1 | tee "$OUT/pytest.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-timeout 80 "$PY" scripts/gpu_bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
+timeout 80 "$PY" scripts/bench_gpu.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "gpu_check: exit $status, output in $OUT"

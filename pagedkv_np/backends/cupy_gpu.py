@@ -47,7 +47,7 @@ except Exception as exc:  # ImportError, or a broken CUDA install failing on imp
 else:
     _IMPORT_ERROR = None
 
-# the launch geometry is re-exported: tests and scripts/gpu_bench.py take it from here
+# the launch geometry is re-exported: tests and scripts/bench_gpu.py take it from here
 __all__ = ["CupyBackend", "DeviceIndices", "LaunchPlan", "block_shape", "row_strides", "word_bytes",
            "plan_write", "plan_gather", "plan_copy_pages", "plan_write_quantized",
            "plan_gather_quantized"]

@@ -2,16 +2,22 @@
 
 Each figure is the kernel's time against ``cudaMemcpyAsync`` (device to
 device) of the same bytes, the device copy of
-:class:`pagedkv_np.bench.timing.CopyBaseline`, both timed with CUDA events in
-this process:
-``ratio = copy time / kernel time`` (1.0 means as fast as a plain copy; the
-goal is >= 0.8). Bytes count what is read plus what is written, K and V.
+:class:`pagedkv_np.bench.timing.CopyBaseline`, timed in interleaved rounds
+in this process (:func:`pagedkv_np.bench.timing.against_copy`: calls queued
+back to back, the stream synchronised at the end of each sample):
+``ratio = copy time / kernel time`` of the bests (1.0 means as fast as a
+plain copy; the goal is >= 0.8), with the median of the per-round ratios
+beside it. Bytes count what is read plus what is written, K and V.
 
 Kernels are timed alone (index arrays uploaded once beforehand), then one
 line gives the wall time of a whole public call (checks, upload, launch,
 synchronise) for scale.
 
-Usage: ``python scripts/gpu_bench.py [--out results.json] [--quick]``
+Siblings: ``pagedkv bench --backend cupy`` and the asv suite
+(``benchmarks/bench_backends.py``) time the backend's public calls; this
+script times the kernels alone, at bfloat16 and larger sizes.
+
+Usage: ``python scripts/bench_gpu.py [--out results.json] [--quick]``
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,23 +35,8 @@ from pagedkv_np import get_backend  # noqa: E402
 from pagedkv_np.backends._cuda_sources import get_kernel  # noqa: E402
 from pagedkv_np.backends.cupy_gpu import (  # noqa: E402
     plan_copy_pages, plan_gather, plan_write, row_strides)
-from pagedkv_np.bench.timing import CopyBaseline  # noqa: E402
+from pagedkv_np.bench.timing import CopyBaseline, against_copy, best_times, sync_for  # noqa: E402
 from pagedkv_np.layout import OutputLayout, StoreLayout, resolve_dtype  # noqa: E402
-
-
-def timed(cupy, fn, repeats: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` on the current stream over ``repeats`` runs."""
-    for _ in range(warmup):
-        fn()
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(repeats):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    return float(np.median(times))
 
 
 def launcher(cupy, plan, *arrays):
@@ -67,6 +57,8 @@ def main(argv=None) -> int:
     baseline = CopyBaseline()
     props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())
     repeats = 5 if args.quick else 20
+    min_time = 0.005 if args.quick else 0.02   # seconds of one sample
+    sync = sync_for(be)
     dtype = resolve_dtype("bfloat16")
     num_heads, head_dim, page_size = 8, 128, 16
     num_seqs, seq_len = (16, 1024) if args.quick else (64, 2048)
@@ -76,20 +68,19 @@ def main(argv=None) -> int:
                "head_dim": head_dim, "page_size": page_size, "rows": []}
     print(f"{results['device']}: {dtype.name}, {num_heads} kv heads x {head_dim}, "
           f"page_size {page_size}")
-    print(f"{'operation':44s} {'kernel GB/s':>12s} {'copy GB/s':>10s} {'ratio':>6s}")
+    print(f"{'operation':44s} {'kernel GB/s':>12s} {'copy GB/s':>10s} {'ratio':>6s} "
+          f"{'median':>6s}")
 
-    def report(name, nbytes, t_kernel, t_copy):
-        row = {"operation": name, "bytes": nbytes, "kernel_s": t_kernel, "copy_s": t_copy,
-               "kernel_gbps": nbytes / t_kernel / 1e9, "copy_gbps": nbytes / t_copy / 1e9,
-               "ratio": t_copy / t_kernel}
+    def report(name, nbytes, run):
+        """Time ``run`` beside a device copy that reads and writes ``nbytes`` in all."""
+        timing = against_copy(run, baseline.copies(nbytes, be), repeats, min_time, sync)
+        row = {"operation": name, "bytes": nbytes, "kernel_s": timing.seconds,
+               "copy_s": timing.copy_seconds, "kernel_gbps": nbytes / timing.seconds / 1e9,
+               "copy_gbps": nbytes / timing.copy_seconds / 1e9, "ratio": timing.ratio,
+               "ratio_median": float(np.median(timing.ratios))}
         results["rows"].append(row)
         print(f"{name:44s} {row['kernel_gbps']:12.0f} {row['copy_gbps']:10.0f} "
-              f"{row['ratio']:6.2f}")
-
-    def copy(nbytes):
-        """Time of a device-to-device copy that reads and writes ``nbytes`` in all."""
-        [(fn, _)] = baseline.copies(nbytes, be)
-        return timed(cupy, fn, repeats)
+              f"{row['ratio']:6.2f} {row['ratio_median']:6.2f}")
 
     num_tokens = num_seqs * seq_len
     num_pages = num_tokens // page_size + 64
@@ -111,8 +102,7 @@ def main(argv=None) -> int:
                           row_strides(k.shape, k.strides), row_strides(v.shape, v.strides))
         run = launcher(cupy, plan, k_cache[0], v_cache[0], k, v, cupy.asarray(slots))
         nbytes = 2 * 2 * num_prefill * row_bytes
-        report(f"write {layout.value} prefill {num_prefill} tokens",
-               nbytes, timed(cupy, run, repeats), copy(nbytes))
+        report(f"write {layout.value} prefill {num_prefill} tokens", nbytes, run)
 
         # Decode gather: num_seqs sequences of seq_len tokens, one layer.
         table = pages.reshape(num_seqs, seq_len // page_size)
@@ -131,7 +121,7 @@ def main(argv=None) -> int:
                            cupy.asarray(table), cupy.asarray(lens))
             nbytes = 2 * 2 * num_tokens * row_bytes
             report(f"gather {layout.value}->{out_layout.value} {num_seqs}x{seq_len}",
-                   nbytes, timed(cupy, run, repeats), copy(nbytes))
+                   nbytes, run)
 
         # Copy-on-write of many pages.
         num_pairs = min(1024, num_pages // 4)
@@ -141,8 +131,7 @@ def main(argv=None) -> int:
                                (k_cache.data.ptr, v_cache.data.ptr))
         run = launcher(cupy, plan, k_cache, v_cache, cupy.asarray(src), cupy.asarray(dst))
         nbytes = 2 * 2 * num_pairs * page_size * row_bytes
-        report(f"copy_pages {layout.value} {num_pairs} pages",
-               nbytes, timed(cupy, run, repeats), copy(nbytes))
+        report(f"copy_pages {layout.value} {num_pairs} pages", nbytes, run)
 
         if layout is StoreLayout.NHD:
             # A whole public decode step (one token per sequence), wall clock.
@@ -154,11 +143,7 @@ def main(argv=None) -> int:
                 be.write(k_cache, v_cache, 0, step_slots, k1, v1, layout=layout)
                 cupy.cuda.get_current_stream().synchronize()
 
-            step()
-            t0 = time.perf_counter()
-            for _ in range(repeats):
-                step()
-            wall = (time.perf_counter() - t0) / repeats
+            [wall] = best_times([step], repeats, min_time)
             results["decode_write_call_s"] = wall
             print(f"public write of {num_seqs} decode tokens, wall per call: {wall * 1e6:.0f} us")
 

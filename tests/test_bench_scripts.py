@@ -1,0 +1,82 @@
+"""The benchmark scripts (``scripts/bench_*.py``, ``scripts/quant_quality.py``)
+still start: each answers ``--help``, and the two sections that need no
+model and little time run through.
+
+Their figures depend on the machine; nothing here asserts one. The long runs
+themselves are for people (see ``docs/benchmarks.md``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+BENCH_SCRIPTS = sorted(SCRIPTS.glob("bench_*.py")) + [SCRIPTS / "quant_quality.py"]
+
+
+def run_script(path: Path, *args: str, timeout: float = 300) -> str:
+    return _run([str(path), *args], timeout)
+
+
+def run_script_code(code: str, *args: str, timeout: float = 300) -> str:
+    return _run(["-c", code, *args], timeout)
+
+
+def _run(args: list[str], timeout: float) -> str:
+    env = dict(os.environ, NUMBA_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+# Every script's --help in one process: the imports they share (NumPy, Numba,
+# onnxruntime) take most of the time, and are paid once.
+_HELP = r"""
+import contextlib, io, json, runpy, sys
+answers = {}
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out, status = io.StringIO(), "returned"
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code
+    answers[path] = [status, out.getvalue()]
+print(json.dumps(answers))
+"""
+
+
+def test_each_script_answers_help():
+    answers = json.loads(run_script_code(_HELP, *map(str, BENCH_SCRIPTS)).splitlines()[-1])
+    assert len(answers) == len(BENCH_SCRIPTS) > 10
+    for path in BENCH_SCRIPTS:
+        status, out = answers[str(path)]
+        assert status == 0, (path.name, status, out)
+        assert out.startswith(f"usage: {path.name}"), (path.name, out)
+
+
+def test_quant_quality_groups_needs_no_model():
+    out = run_script(SCRIPTS / "quant_quality.py", "--only", "groups").splitlines()
+    assert out[0].startswith("RMS error / RMS signal, 4096 tokens x 8 x 128")
+    rows = {line.split()[0]: [float(x) for x in line.split()[-3:]] for line in out[2:]}
+    assert set(rows) == {"32", "64", "128", "float16"}
+    # a smaller group costs more bytes and errs less, on K with outliers most of all
+    assert rows["32"][0] > rows["64"][0] > rows["128"][0]
+    assert rows["32"][1] < rows["64"][1] < rows["128"][1]
+    assert rows["float16"][0] == 2.0 and rows["float16"][1] < rows["32"][1]
+
+
+def test_tiers_store_section_runs_in_rounds(tmp_path):
+    out = run_script(SCRIPTS / "bench_tiers.py", "--only", "store", "--quick", "--pages", "4",
+                     "--workdir", str(tmp_path))
+    assert out.startswith("== store")
+    figures = json.loads(out[out.index("{"):])
+    assert figures["pages"] == 4 and figures["copy_GBps"] > 0
+    for store in ("sqlite", "files"):
+        assert figures[store]["write_GBps"] > 0 and figures[store]["read_GBps"] > 0
