@@ -8,9 +8,13 @@
 * :class:`TimeToFirstToken`: a 1024-token prompt whose first 90% is cached
   against the same prompt uncached; ``track_speedup`` is their ratio.
 
-:class:`PlainLoop`, :func:`steady_engine` and :func:`interleaved_step_times`
-also serve ``scripts/bench_ort.py``, which prints the same figures in more
-detail. Skipped when onnxruntime or onnx is not installed.
+Sibling: ``scripts/bench_ort.py`` prints the same two figures in more
+detail (the CPU-time split, other sizes and thread counts) on the workload
+built here (:func:`model_bytes`, :class:`PlainLoop`, :func:`steady_engine`),
+timed by ``pagedkv_np.bench.timing``; this suite keeps its own timing
+(:func:`interleaved_step_times`). ``scripts/bench_peers.py`` compares with
+onnxruntime-genai on a real model. Skipped when onnxruntime or onnx is not
+installed.
 """
 
 from __future__ import annotations
