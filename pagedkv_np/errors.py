@@ -35,6 +35,7 @@ __all__ = [
     "TextUnavailable",
     "ModelUnavailable",
     "ContextLengthExceeded",
+    "InvalidTextError",
 ]
 
 
@@ -184,3 +185,26 @@ class ContextLengthExceeded(ConfigError):
 def _context_error(message: str, prompt: int, new: int, context: int) -> ContextLengthExceeded:
     return ContextLengthExceeded(message, num_prompt_tokens=prompt, max_new_tokens=new,
                                  context_length=context)
+
+
+class InvalidTextError(PagedKVError, ValueError):
+    """A string that is not valid Unicode text: it holds a lone surrogate
+    (U+D800..U+DFFF), which Python strings and JSON's ``\\ud800`` escapes
+    allow but no UTF-8 encodes, so no tokenizer can read it.
+
+    Attributes
+    ----------
+    index : int
+        Where the first lone surrogate is.
+    """
+
+    def __init__(self, message: str, *, index: int) -> None:
+        super().__init__(message)
+        self.index = index
+
+    def __reduce__(self):
+        return (_invalid_text, (str(self), self.index))
+
+
+def _invalid_text(message: str, index: int) -> InvalidTextError:
+    return InvalidTextError(message, index=index)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 from typing import Any
 from collections.abc import Iterable
 
 import numpy as np
 
-from ..errors import (ChatTemplateError, ConfigError, DTypeError, MissingModelFile,
-                      ModelFolderError)
+from ..errors import (ChatTemplateError, ConfigError, DTypeError, InvalidTextError,
+                      MissingModelFile, ModelFolderError)
 
 try:
     import jinja2
@@ -38,6 +39,8 @@ except ImportError as exc:
                       "pip install 'pagedkv-np[models]'") from exc
 
 __all__ = ["TextCodec", "check_messages", "read_json_object"]
+
+_LONE_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 def read_json_object(path: str, required: bool = True) -> dict:
@@ -252,10 +255,24 @@ class TextCodec:
 
         With ``add_special_tokens`` the tokenizer's post-processor runs and,
         when ``add_bos_token`` is set, the ids start with ``bos_token_id``.
+
+        Raises
+        ------
+        DTypeError
+            ``text`` is not a string.
+        InvalidTextError
+            ``text`` holds a lone surrogate (no UTF-8 encodes it).
         """
         if not isinstance(text, str):
             raise DTypeError(f"Invalid text: expected a string, got {type(text).__name__}")
-        ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        found = None if text.isascii() else _LONE_SURROGATE.search(text)
+        if found is not None:
+            raise InvalidTextError(f"Invalid text: a lone surrogate (U+{ord(found.group()):04X}) "
+                                   f"at index {found.start()} is not valid Unicode text",
+                                   index=found.start())
+        # encode_batch lets go of the GIL while it works (encode holds it: a
+        # long text would stop every other thread, a server's event loop too)
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids
