@@ -6,10 +6,18 @@ prompt), completions through the tokenizer (or arrive as token ids). The
 context length is the smaller of the model's positions and the K/V pool's
 tokens: a prompt that leaves no room for one token, or ``max_tokens`` that
 overrun it, is a 400 before anything reaches the engine.
+
+A text too long to fit is refused before it is tokenized (tokenizing
+megabytes takes seconds and a gigabyte), when the tokenizer allows a lower
+bound on its tokens that never refuses a prompt that fits
+(:func:`token_bound`: roughly, more than ``context_length x`` the longest
+token's characters).
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,7 +31,118 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pagedkv_np.serve needs tokenizers and jinja2: "
                       "pip install 'pagedkv-np[serve]'") from exc
 
-__all__ = ["PromptBuilder", "context_length"]
+__all__ = ["PromptBuilder", "TokenBound", "context_length", "token_bound"]
+
+# pre-tokenizers that keep every character: they split text, or add to it
+_KEEPING = ("ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "UnicodeScripts")
+# normalizers that never shorten a text by more than this factor: a composed
+# character stands for at most 4 code points of its canonical decomposition
+# (U+1FAF) and 18 of its compatibility one (U+FDFA); the others never shorten
+_SHRINK = {"NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1, "NFC": 4, "NFKC": 18}
+
+
+@dataclass(frozen=True)
+class TokenBound:
+    """A lower bound on the number of tokens of a text, without tokenizing it.
+
+    Every character of a text becomes part of some token, except the
+    ``dropped`` ones (ASCII characters a byte-level vocabulary has no byte
+    for: the tokenizer leaves them out), and no token stands for more than
+    ``max_chars_per_token`` characters of the text: a text has at least
+    ``ceil((len(text) - dropped characters) / max_chars_per_token)`` tokens.
+    """
+
+    max_chars_per_token: int
+    dropped: str = ""
+
+    def min_tokens(self, text: str) -> int:
+        num_chars = len(text) - sum(text.count(c) for c in self.dropped)
+        return -(-num_chars // self.max_chars_per_token)
+
+
+def _pre_tokenizers(pre: dict | None) -> list[dict]:
+    if pre is None:
+        return []
+    if pre.get("type") == "Sequence":
+        return [p for q in pre.get("pretokenizers", ()) for p in _pre_tokenizers(q)]
+    return [pre]
+
+
+def _shrink(norm: dict | None) -> int | None:
+    """Most a normalizer can shorten a text by (a factor); None: unbounded
+    (it may delete characters, or merge runs of them)."""
+    if norm is None:
+        return 1
+    kind = norm.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for step in norm.get("normalizers", ()):
+            shrink = _shrink(step)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    if kind == "Replace":   # one character by a non-empty string: never shorter
+        pattern = norm.get("pattern") or {}
+        return 1 if len(pattern.get("String") or "") == 1 and norm.get("content") else None
+    return _SHRINK.get(str(kind))
+
+
+def _byte_level_gaps(vocab: dict) -> str | None:
+    """The ASCII characters whose byte a byte-level ``vocab`` lacks; None
+    when it lacks a UTF-8 continuation byte (then a character may vanish
+    whole, and no bound holds)."""
+    from tokenizers import pre_tokenizers
+
+    # the byte -> character map of the pre-tokenizer itself
+    to_chars = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+
+    def byte_char(text: str) -> str:
+        return to_chars.pre_tokenize_str(text)[0][0][-1]
+
+    if any(byte_char(bytes([0xC2, b]).decode()) not in vocab for b in range(0x80, 0xC0)):
+        return None
+    return "".join(chr(b) for b in range(0x80) if byte_char(chr(b)) not in vocab)
+
+
+def token_bound(tokenizer: Any) -> TokenBound | None:
+    """The :class:`TokenBound` of a ``tokenizers.Tokenizer``; None when no
+    bound is provable from its configuration.
+
+    Provable means: a normalizer that shortens a text by a bounded factor
+    at most (none; Unicode forms, lowercase, prepend, one character replaced
+    by a non-empty string), no truncation, no added token that swallows the
+    spaces beside it (``lstrip``/``rstrip``), pre-tokenizers that keep every
+    character, and a BPE model that maps every character to some token
+    (byte-level alphabet, byte fallback, or one unknown token per unknown
+    character), but for the ASCII characters a byte-level vocabulary lacks
+    (counted out; then no normalizer). A token then stands for at most as
+    many normalized characters as its vocabulary string has (a byte-level
+    string has one per byte, a byte-fallback token one byte, an added token
+    its content), times the normalizer's factor.
+    """
+    try:
+        spec = json.loads(tokenizer.to_str())
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+    except Exception:   # not a tokenizers.Tokenizer: no bound
+        return None
+    model, pres = spec.get("model") or {}, _pre_tokenizers(spec.get("pre_tokenizer"))
+    shrink = _shrink(spec.get("normalizer"))
+    if (shrink is None or spec.get("truncation") is not None
+            or model.get("type") != "BPE" or not vocab
+            or any(p.get("type") not in _KEEPING or p.get("behavior") == "Removed"
+                   for p in pres)
+            or any(t.get("lstrip") or t.get("rstrip") for t in spec.get("added_tokens", ()))):
+        return None
+    dropped: str | None = ""
+    if any(p.get("type") == "ByteLevel" for p in pres):
+        dropped = _byte_level_gaps(vocab)
+    elif not model.get("byte_fallback") and (model.get("unk_token") is None
+                                             or model.get("fuse_unk")):
+        dropped = None   # unknown characters vanish, or many become one token
+    if dropped is None or (dropped and spec.get("normalizer") is not None):
+        return None   # a normalizer could make a dropped character of another
+    return TokenBound(max(len(t) for t in vocab) * shrink, dropped)
 
 
 def context_length(decoder: Any) -> int:
@@ -48,6 +167,9 @@ class PromptBuilder:
     ----------
     context_length : int
     eos_token_ids : frozenset of int
+    bound : TokenBound or None
+        Texts with more tokens than the context by this bound are refused
+        untokenized (None: no bound is provable for this tokenizer).
     """
 
     def __init__(self, decoder: Any) -> None:
@@ -60,6 +182,7 @@ class PromptBuilder:
         self.eos_token_ids = frozenset(getattr(decoder, "eos_token_ids", ()) or ())
         vocab = getattr(decoder.io, "vocab_size", None)
         self.vocab_size = int(vocab) if vocab is not None else int(codec.vocab_size)
+        self.bound = token_bound(getattr(codec, "tokenizer", None))
 
     def prompt_ids(self, req: GenerationRequest) -> np.ndarray:
         """The prompt's token ids, shape [n], int64 (n >= 1).
@@ -67,16 +190,24 @@ class PromptBuilder:
         Raises
         ------
         APIError
-            The chat template refused the messages, or the prompt is empty
-            or holds a token id outside the vocabulary.
+            The chat template refused the messages, the prompt is empty,
+            holds a token id outside the vocabulary, or has too many
+            characters to fit the context.
         """
         try:
             if req.messages is not None:
-                ids = self.codec.encode_chat(list(req.messages), add_generation_prompt=True)
+                # encode_chat, with the length check between its two steps
+                text = self.codec.apply_chat_template(list(req.messages),
+                                                      add_generation_prompt=True)
+                self._check_length(req, text)
+                ids = self.codec.encode(text, add_special_tokens=False)
             elif isinstance(req.prompt, str):
+                self._check_length(req, req.prompt)
                 ids = self.codec.encode(req.prompt)
             else:
                 ids = np.asarray(req.prompt, dtype=np.int64)
+        except APIError:
+            raise
         except PagedKVError as exc:
             raise APIError(str(exc), param="messages" if req.messages is not None else "prompt",
                            code="invalid_prompt") from None
@@ -88,6 +219,20 @@ class PromptBuilder:
                            f"vocabulary [0, {self.vocab_size})", param="prompt",
                            code="invalid_value")
         return ids
+
+    def _check_length(self, req: GenerationRequest, text: str) -> None:
+        """A 400 for a text that has more tokens than the context, by the bound."""
+        if self.bound is None or len(text) <= self.bound.max_chars_per_token * self.context_length:
+            return
+        num_tokens = self.bound.min_tokens(text)
+        if num_tokens <= self.context_length:
+            return
+        raise APIError(
+            f"This model's maximum context length is {self.context_length} tokens; the "
+            f"prompt has {len(text):,} characters, at least {num_tokens:,} tokens (no token "
+            f"stands for more than {self.bound.max_chars_per_token}). Shorten the prompt.",
+            param="messages" if req.messages is not None else "prompt",
+            code="context_length_exceeded")
 
     def max_tokens(self, req: GenerationRequest, num_prompt_tokens: int) -> int:
         """The request's token budget: ``max_tokens``, or what the context leaves.

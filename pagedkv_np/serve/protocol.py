@@ -5,15 +5,19 @@ turn a decoded JSON body into a :class:`GenerationRequest` or raise
 :class:`APIError`; the ``*_response`` and ``*_chunk`` functions build the JSON
 objects that go back. Unknown fields are ignored (clients send many); a known
 field of the wrong type or out of range is a 400 naming the field in
-``param``; a known feature this server does not implement (``n > 1``,
-logprobs, penalties, tools) is a 400 too, rather than silently different
-output.
+``param``, and so is a string that is not valid Unicode text (a lone
+surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
+neither the tokenizer nor a response could carry it); a known feature this
+server does not implement (``n > 1``, logprobs, penalties, tools) is a 400
+too, rather than silently different output. A body nested too deeply for
+the JSON parser is a 400 as well.
 """
 
 from __future__ import annotations
 
 import json
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,7 @@ __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_c
 #: most stop strings a request may give
 MAX_STOP_STRINGS = 16
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+_SURROGATE = re.compile("[\\ud800-\\udfff]")
 
 
 class APIError(PagedKVError, ValueError):
@@ -88,6 +93,8 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(f"The request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise APIError("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(f"The request body must be a JSON object, got {_json_type(data)}",
                        code="invalid_json")
@@ -122,6 +129,16 @@ def _value_error(name: str, message: str) -> APIError:
 def _unsupported(name: str, what: str) -> APIError:
     return APIError(f"'{name}' is not supported by this server ({what})",
                     code="unsupported_parameter", param=name)
+
+
+def _text(name: str, value: str) -> str:
+    """``value`` if it is valid Unicode text, else a 400 naming ``name``."""
+    if not value.isascii():
+        found = _SURROGATE.search(value)
+        if found is not None:
+            raise _value_error(name, f"a lone surrogate (U+{ord(found.group()):04X}) at index "
+                                     f"{found.start()} is not valid Unicode text")
+    return value
 
 
 def _int(body: dict, name: str, default: int | None) -> int | None:
@@ -159,9 +176,11 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 
 def _str(body: dict, name: str) -> str | None:
     value = body.get(name)
-    if value is not None and not isinstance(value, str):
+    if value is None:
+        return None
+    if not isinstance(value, str):
         raise _type_error(name, "a string", value)
-    return value
+    return _text(name, value)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -175,6 +194,8 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise _value_error("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
     if any(s == "" for s in items):
         raise _value_error("stop", "stop strings must not be empty")
+    for s in items:
+        _text("stop", s)
     return tuple(dict.fromkeys(items))
 
 
@@ -265,11 +286,11 @@ def _message(i: int, msg: Any) -> dict:
                 raise _type_error(f"{where}.content[{j}]", "a text part", part)
             if part.get("type", "text") != "text":
                 raise _unsupported(f"{where}.content[{j}]", "text parts only")
-            texts.append(part["text"])
+            texts.append(_text(f"{where}.content[{j}].text", part["text"]))
         content = "".join(texts)
     if not isinstance(content, str):
         raise _type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": content}
+    return {"role": role, "content": _text(f"{where}.content", content)}
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -300,7 +321,7 @@ def parse_completion(body: dict) -> GenerationRequest:
     if isinstance(prompt, str):
         if prompt == "":
             raise _value_error("prompt", "expected a non-empty prompt")
-        return _common(body, "completion", None, prompt)
+        return _common(body, "completion", None, _text("prompt", prompt))
     if not isinstance(prompt, list) or not all(
             is_int(t) for t in prompt):
         raise _type_error("prompt", "a string or an array of token ids", prompt)
