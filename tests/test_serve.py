@@ -86,11 +86,11 @@ def free_port() -> int:
 class Server:
     """``python -m pagedkv_np serve ARGS`` on a free loopback port."""
 
-    def __init__(self, *args: str, startup_s: float = 240.0) -> None:
+    def __init__(self, *args: str, startup_s: float = 240.0, log_level: str = "warning") -> None:
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "pagedkv_np", "serve", *args, "--host", "127.0.0.1",
-               "--port", str(self.port), "--log-level", "warning"]
+               "--port", str(self.port), "--log-level", log_level]
         env = dict(os.environ, NUMBA_NUM_THREADS="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True)
@@ -116,9 +116,11 @@ class Server:
     def http(self) -> httpx.Client:
         return httpx.Client(base_url=self.base, timeout=120, trust_env=False)
 
-    def metric(self, name: str, default: float | None = None) -> float:
+    def metric(self, name: str, default: float | None = None, api_key: str | None = None) -> float:
         """A sample of /metrics (``default`` for a labelled series not yet there)."""
-        text = httpx.get(self.base + "/metrics", timeout=30, trust_env=False).text
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        text = httpx.get(self.base + "/metrics", timeout=30, trust_env=False,
+                         headers=headers).text
         m = re.search(rf"^{re.escape(name)} (\S+)$", text, flags=re.M)
         if m is None and default is not None:
             return default
@@ -136,6 +138,7 @@ class Server:
                 self.proc.wait(10)
                 raise AssertionError(
                     f"the server did not exit within {timeout} s of SIGTERM") from None
+        self.output = self.proc.stdout.read()   # what it logged
         self.proc.stdout.close()
         return self.proc.returncode
 
@@ -473,7 +476,13 @@ class TestPrefixCacheAndTenants:
                 assert_error(http.post("/v1/chat/completions", json={"messages": []},
                                        headers={"Authorization": "Bearer nope"}), 401)
                 assert http.get("/health").status_code == 200     # no key needed
-                assert http.get("/metrics").status_code == 200
+                # /metrics shows every tenant's prefix hits: a key is needed
+                assert_error(http.get("/metrics"), 401, code="invalid_api_key")
+                assert_error(http.get("/metrics", headers={"Authorization": "Bearer nope"}),
+                             401, code="invalid_api_key")
+                assert http.get("/metrics", headers={
+                    "Authorization": "Bearer key-two"}).status_code == 200
+            assert s.metric("pagedkv_prefix_hit_tokens_total", api_key="key-one") >= PAGE_SIZE
         finally:
             assert s.stop() == 0
 
@@ -729,7 +738,7 @@ class TestShutdown:
 class TestCommandLine:
     @pytest.mark.parametrize("args, says", [
         (["/no/such/model.gguf"], "cannot load the model"),
-        (["--num-pages", "0"], "num_pages"),
+        (["--num-pages", "0"], "--num-pages"),
         (["--max-queue", "0"], "--max-queue"),
     ])
     def test_bad_arguments_exit_2(self, folder, args, says):
@@ -740,6 +749,40 @@ class TestCommandLine:
                               timeout=300, cwd=ROOT)
         assert done.returncode == 2
         assert says in done.stderr
+
+    @pytest.mark.parametrize("args, says", [
+        (["--port", "70000"], "--port"), (["--port", "-1"], "--port"),
+        (["--num-pages", "0"], "--num-pages"), (["--page-size", "0"], "--page-size"),
+        (["--max-batch-size", "0"], "--max-batch-size"), (["--max-queue", "0"], "--max-queue"),
+        (["--threads", "-1"], "--threads"), (["--graceful-timeout", "-1"], "--graceful-timeout"),
+        (["--max-body-size", "0"], "--max-body-size"),
+        (["--header-timeout", "0"], "--header-timeout"),
+        (["--body-timeout", "-1"], "--body-timeout"), (["--body-timeout", "nan"], "--body-timeout"),
+        (["--header-timeout", "inf"], "--header-timeout"),
+        (["--max-connections", "0"], "--max-connections"),
+        (["--host", "no-such-host.invalid"], "cannot listen on"),
+    ])
+    def test_every_option_is_checked_before_loading(self, args, says):
+        """A bad option is reported, in one line, before the model loads: the
+        model given does not even exist, and the message is about the option."""
+        cmd = [sys.executable, "-m", "pagedkv_np", "serve", "/no/such/model.gguf"]
+        if "--port" not in args:
+            cmd += ["--port", str(free_port())]
+        done = subprocess.run(cmd + args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 2, done.stderr
+        assert says in done.stderr and "cannot load the model" not in done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+
+    def test_port_in_use_is_reported_before_loading(self):
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            port = taken.getsockname()[1]
+            done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve",
+                                   "/no/such/model.gguf", "--port", str(port)],
+                                  capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert done.returncode == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in done.stderr
 
 
 class TestDocs:

@@ -8,26 +8,36 @@ Routes::
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text
 
-Each generation request is checked and tokenized on the event loop (cheap),
-then handed to the :class:`~pagedkv_np.serve.engine_loop.EngineLoop` as a
+Each generation request's body is read under the limits of
+:mod:`~pagedkv_np.serve.limits` (size, deadline), then parsed, checked and
+tokenized in a small thread pool, never on the event loop (a long prompt
+takes seconds to tokenize and ``/health`` and every stream must not wait for
+it), then handed to the :class:`~pagedkv_np.serve.engine_loop.EngineLoop` as a
 :class:`~pagedkv_np.serve.engine_loop.Job` whose ``emit`` schedules the
 engine thread's updates onto the event loop (``call_soon_threadsafe``). A
 client that goes away cancels its job: a stream sees the cancellation when
 Starlette notices the disconnect, a whole response watches ``http.disconnect``
 while it waits.
 
+A client that leaves while still sending its body is answered (to nobody)
+with ``499``, counted as such in ``pagedkv_http_requests_total`` and logged
+in one line: it is not a server error.
+
 Tenants: with API keys, every key is a tenant of its own (its prompts share
 cached pages only with its own); a request's ``cache_salt`` splits further.
-``/health`` and ``/metrics`` need no key.
+``/metrics`` needs a key when keys are set (it shows every tenant's prefix
+hits); ``/health`` never does.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
 import hmac
+import logging
 import signal
 import threading
 import time
@@ -35,8 +45,9 @@ import uuid
 from typing import Any
 from collections.abc import AsyncIterator, Iterable
 
-from ..errors import PagedKVError
 from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
+from .http_errors import EXCEPTION_HANDLERS, Metered, api_error, error_response, shutdown_error
+from .limits import BodyLimits, ServerLimits, http_protocol
 from .metrics import CONTENT_TYPE
 from .prompts import PromptBuilder
 from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_response,
@@ -45,7 +56,6 @@ from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_r
 
 try:
     from starlette.applications import Starlette
-    from starlette.exceptions import HTTPException
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route
@@ -56,50 +66,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 __all__ = ["create_app", "run_server"]
 
 _ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-# seconds a client told "queue full" is asked to wait
-_RETRY_AFTER = "1"
-
-
-def _error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.to_json(), status_code=err.status, headers=err.headers)
-
-
-def _api_error(exc: BaseException) -> APIError:
-    """The HTTP face of an error the engine reported for a request."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFull):
-        return APIError(str(exc), status=429, type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": _RETRY_AFTER})
-    if isinstance(exc, EngineStopped):
-        return APIError(f"The server is not accepting requests: {exc}", status=503,
-                        type="server_error", code="unavailable")
-    if isinstance(exc, PagedKVError) and isinstance(exc, (ValueError, TypeError)):
-        return APIError(str(exc))   # input the engine's own checks refused
-    return APIError(f"The request failed in the engine: {type(exc).__name__}: {exc}",
-                    status=500, type="server_error", code="engine_error")
-
-
-class _Metered:
-    """ASGI wrapper that counts HTTP responses by route and status."""
-
-    def __init__(self, app: Any, counter: Any) -> None:
-        self.app = app
-        self.counter = counter
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        route = scope.get("path", "")
-        route = route if route in _ROUTES else "other"
-
-        async def counted(message: dict) -> None:
-            if message["type"] == "http.response.start":
-                self.counter.labels(route, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counted)
+# threads that parse and tokenize request bodies: the tokenizer releases the
+# GIL, so they run beside the event loop; more would only take cores from
+# the engine
+_PREPARE_THREADS = 2
+_log = logging.getLogger("pagedkv_np.serve")
 
 
 class _Mailbox:
@@ -146,6 +117,8 @@ class _Server:
         self.prompts = PromptBuilder(engine.decoder)
         self.created = int(time.time())
         self.mailbox: _Mailbox | None = None   # made on the event loop, at the first request
+        self.pool = concurrent.futures.ThreadPoolExecutor(_PREPARE_THREADS,
+                                                          thread_name_prefix="pagedkv-prepare")
 
     # ------------------------------------------------------------ helpers
     def tenant(self, request: Request) -> str | None:
@@ -187,6 +160,7 @@ class _Server:
         return JSONResponse({"status": "unavailable"}, status_code=503)
 
     async def metrics(self, request: Request) -> Response:
+        self.tenant(request)   # every tenant's prefix hits: not for anonymous callers
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
     async def models(self, request: Request) -> Response:
@@ -204,10 +178,9 @@ class _Server:
     async def generate(self, request: Request, kind: str) -> Response:
         arrival = time.perf_counter()
         tenant = self.tenant(request)
-        data = parse_json(await request.body())
-        req = parse_chat(data) if kind == "chat" else parse_completion(data)
-        ids = self.prompts.prompt_ids(req)
-        max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
+        body = await request.body()
+        req, ids, max_tokens = await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.prepare, body, kind)
         if self.mailbox is None:
             self.mailbox = _Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
@@ -221,7 +194,7 @@ class _Server:
         except (QueueFull, EngineStopped) as exc:
             if isinstance(exc, QueueFull):
                 self.engine.metrics.rejected.inc()
-            raise _api_error(exc) from None
+            raise api_error(exc) from None
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         response_id, created = prefix + uuid.uuid4().hex, int(time.time())
         model = req.model or self.model_id
@@ -230,6 +203,21 @@ class _Server:
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self.whole(request, job, queue, req, response_id, created, model)
+
+    def prepare(self, body: bytes, kind: str) -> tuple[GenerationRequest, Any, int]:
+        """The checked request, its prompt ids and its token budget (in a pool
+        thread).
+
+        Raises
+        ------
+        APIError
+            400 for anything wrong with the body (see ``protocol`` and
+            ``prompts``).
+        """
+        data = parse_json(body)
+        req = parse_chat(data) if kind == "chat" else parse_completion(data)
+        ids = self.prompts.prompt_ids(req)
+        return req, ids, self.prompts.max_tokens(req, int(ids.shape[0]))
 
     async def whole(self, request: Request, job: Job, queue: asyncio.Queue, req: GenerationRequest,
                     response_id: str, created: int, model: str) -> Response:
@@ -250,8 +238,8 @@ class _Server:
         finally:
             gone.cancel()
         if update.finish_reason in ("error", "abort"):
-            return _error_response(_api_error(update.error) if update.error is not None
-                                   else _shutdown_error())
+            return error_response(api_error(update.error) if update.error is not None
+                                  else shutdown_error())
         usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
                            update.num_cached_tokens)
         build = chat_response if req.kind == "chat" else completion_response
@@ -288,7 +276,7 @@ def _events(update: Update, req: GenerationRequest, response_id: str, created: i
     """The server-sent events of one update."""
     chat = req.kind == "chat"
     if update.finish_reason in ("error", "abort"):
-        err = _api_error(update.error) if update.error is not None else _shutdown_error()
+        err = api_error(update.error) if update.error is not None else shutdown_error()
         return [sse(err.to_json())]
     out = []
     if update.text:
@@ -306,11 +294,6 @@ def _events(update: Update, req: GenerationRequest, response_id: str, created: i
     return out
 
 
-def _shutdown_error() -> APIError:
-    return APIError("The server shut down before the request finished", status=503,
-                    type="server_error", code="shutdown")
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client closes the connection."""
     while True:
@@ -319,29 +302,8 @@ async def _disconnected(request: Request) -> None:
             return
 
 
-async def _handle_api_error(request: Request, exc: Exception) -> Response:
-    return _error_response(exc if isinstance(exc, APIError) else _api_error(exc))
-
-
-async def _handle_http_error(request: Request, exc: Exception) -> Response:
-    status = getattr(exc, "status_code", 500)
-    if status == 404:
-        err = APIError(f"Invalid URL ({request.method} {request.url.path})", status=404,
-                       code="not_found")
-    elif status == 405:
-        err = APIError(f"Method {request.method} not allowed on {request.url.path}",
-                       status=405, code="method_not_allowed")
-    else:
-        err = APIError(str(getattr(exc, "detail", exc)), status=status)
-    return _error_response(err)
-
-
-async def _handle_crash(request: Request, exc: Exception) -> Response:
-    return _error_response(APIError(f"Internal server error: {type(exc).__name__}: {exc}",
-                                    status=500, type="server_error", code="internal_error"))
-
-
-def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = ()) -> Any:
+def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (),
+               limits: ServerLimits | None = None) -> Any:
     """The ASGI application serving ``engine`` (started and stopped by its lifespan).
 
     Parameters
@@ -352,8 +314,12 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         The model's name in ``/v1/models`` and in responses.
     api_keys : iterable of str
         Keys accepted as ``Authorization: Bearer KEY``; none: no check.
+    limits : ServerLimits, optional
+        The body size cap and body deadline (the header deadline and the
+        connection limit are the HTTP server's: :func:`run_server`).
     """
     server = _Server(engine, model_id, api_keys)
+    limits = limits if limits is not None else ServerLimits()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
@@ -363,6 +329,7 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         finally:
             # uvicorn has drained (or cancelled) the connections by now
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            server.pool.shutdown(wait=False, cancel_futures=True)
 
     routes = [
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
@@ -371,30 +338,39 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        APIError: _handle_api_error, HTTPException: _handle_http_error,
-        Exception: _handle_crash})
-    return _Metered(app, engine.metrics.http_requests)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
+    return Metered(BodyLimits(app, limits), engine.metrics.http_requests, _ROUTES)
 
 
 def run_server(decoder: Any, *, model_id: str, host: str = "127.0.0.1", port: int = 8000,
                api_keys: Iterable[str] = (), max_queue: int = 64,
-               graceful_timeout: int = 30, log_level: str = "info") -> None:
+               graceful_timeout: int = 30, log_level: str = "info",
+               limits: ServerLimits | None = None) -> None:
     """Serve ``decoder`` until SIGINT or SIGTERM.
 
     On a signal the server stops accepting connections, lets running
     requests finish for up to ``graceful_timeout`` seconds (then cancels
     them, which aborts them in the engine), and stops the engine thread.
+    ``limits`` (default :class:`ServerLimits`) bound request bodies, read
+    deadlines and open connections.
     """
     try:
         import uvicorn
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("pagedkv serve needs uvicorn: pip install 'pagedkv-np[serve]'") \
             from exc
+    limits = limits if limits is not None else ServerLimits()
     engine = EngineLoop(decoder, max_queue=max_queue)
-    app = create_app(engine, model_id=model_id, api_keys=api_keys)
+    app = create_app(engine, model_id=model_id, api_keys=api_keys, limits=limits)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            lifespan="on", timeout_graceful_shutdown=int(graceful_timeout))
+                            lifespan="on", timeout_graceful_shutdown=int(graceful_timeout),
+                            http=http_protocol(limits),
+                            limit_concurrency=limits.max_connections)
+    # the server's own lines go where uvicorn's go (its "uvicorn" logger's
+    # handlers), at the level of its error log
+    _log.handlers = list(logging.getLogger("uvicorn").handlers)
+    _log.propagate = False
+    _log.setLevel(logging.getLogger("uvicorn.error").level)
     # uvicorn raises the signal it stopped on again once it is done; a
     # shutdown that went as planned should end the process with status 0
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import socket
 import sys
 from typing import Any
 
-__all__ = ["load_decoder", "main", "model_name", "parse_args", "session_options",
-           "thread_budget_of"]
+__all__ = ["check_args", "limits_of", "load_decoder", "main", "model_name", "parse_args",
+           "session_options", "thread_budget_of"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 
@@ -54,6 +56,17 @@ def _parser() -> argparse.ArgumentParser:
                         "threads take the cores the HTTP side and other processes need)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
+    p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
+                   help="largest request body; larger ones get 413 (default 4 MiB)")
+    p.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="a connection that has not sent a whole request head in this "
+                        "time gets 408 and is closed (default 10)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request whose body has not arrived this long after its head "
+                        "gets 408 (default 30)")
+    p.add_argument("--max-connections", type=int, default=512,
+                   help="open connections (or running requests) past which a request "
+                        "gets 503 (default 512)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -90,6 +103,59 @@ def session_options(threads: int = 0, spin: bool = False) -> Any:
     return thread_budget(int(threads) or None, bool(spin)).session_options()
 
 
+def limits_of(args: Any) -> Any:
+    """The :class:`~pagedkv_np.serve.limits.ServerLimits` of the options.
+
+    Raises
+    ------
+    ConfigError
+        A limit out of range (:func:`check_args` reports it first).
+    """
+    from .limits import ServerLimits
+
+    return ServerLimits(max_body_size=args.max_body_size, header_timeout=args.header_timeout,
+                        body_timeout=args.body_timeout, max_connections=args.max_connections)
+
+
+def _address_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on ``host:port``, or None (it binds
+    and lets go of a socket there, as uvicorn will)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except (OSError, UnicodeError) as exc:
+        return f"cannot listen on {host}:{port}: {exc}"
+    return None
+
+
+def check_args(args: Any) -> str | None:
+    """The first problem with the options, as one line, or None.
+
+    Everything that can be checked without the model is checked here,
+    before the model loads (a load takes seconds to minutes).
+    """
+    at_least = [("--num-pages", args.num_pages, 1), ("--page-size", args.page_size, 1),
+                ("--max-batch-size", args.max_batch_size, 1),
+                ("--max-queue", args.max_queue, 1), ("--threads", args.threads, 0),
+                ("--graceful-timeout", args.graceful_timeout, 0),
+                ("--max-body-size", args.max_body_size, 1),
+                ("--max-connections", args.max_connections, 1)]
+    for flag, value, low in at_least:
+        if value < low:
+            return f"{flag} must be >= {low}, got {value}"
+    for flag, seconds in (("--header-timeout", args.header_timeout),
+                          ("--body-timeout", args.body_timeout)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            return f"{flag} must be a number of seconds > 0, got {seconds:g}"
+    if not 0 <= args.port <= 65535:
+        return f"--port must be in 0..65535, got {args.port}"
+    return _address_problem(args.host, args.port)
+
+
 def load_decoder(args: Any) -> Any:
     from ..onnxruntime import OrtDecoder
 
@@ -105,11 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import PagedKVError
     from .app import run_server
 
-    if args.max_queue < 1:
-        print("pagedkv serve: --max-queue must be >= 1", file=sys.stderr)
-        return 2
-    if args.threads < 0:
-        print("pagedkv serve: --threads must be >= 0", file=sys.stderr)
+    problem = check_args(args)
+    if problem is not None:
+        print(f"pagedkv serve: {problem}", file=sys.stderr)
         return 2
     try:
         decoder = load_decoder(args)
@@ -118,5 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_server(decoder, model_id=args.model_name or model_name(args.model), host=args.host,
                port=args.port, api_keys=args.api_key, max_queue=args.max_queue,
-               graceful_timeout=args.graceful_timeout, log_level=args.log_level)
+               graceful_timeout=args.graceful_timeout, log_level=args.log_level,
+               limits=limits_of(args))
     return 0
