@@ -404,12 +404,21 @@ def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> 
         return gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
     if key == "embed":      # gathered by rows: float [vocab, hidden]
         dtype = np.float16 if mode == "float16" else np.float32
-        return gguf.quants.dequantize(raw, qtype).astype(dtype, copy=False)
+        return _rows(raw, qtype).astype(dtype, copy=False)
     if qtype in blocks:
         return BlockQuantized(blocks[qtype], raw)
     if mode == "q4":
         dtype = np.float16 if qtype == _Q.F16 else np.float32
     else:
         dtype = np.float16 if mode == "float16" else np.float32
-    return np.ascontiguousarray(gguf.quants.dequantize(raw, qtype).astype(dtype, copy=False).T)
+    return np.ascontiguousarray(_rows(raw, qtype).astype(dtype, copy=False).T)
+
+
+def _rows(raw: np.ndarray, qtype: Any) -> np.ndarray:
+    """A matrix's float values [rows, columns]: ggml blocks decoded by
+    :class:`BlockQuantized` (the values ``gguf.quants.dequantize`` gives, in
+    less time and memory), other types by ``gguf``."""
+    if qtype in _BLOCKS and raw.ndim == 2:
+        return BlockQuantized(_BLOCKS[qtype], raw).dequantize_rows()
+    return gguf.quants.dequantize(raw, qtype)
 
