@@ -125,7 +125,8 @@ def test_engine_with_sliding_windows_matches_full_recompute(family, page_size):
 
 
 @pytest.mark.parametrize("kw", [dict(activation="relu"), dict(sliding_window=-4),
-                                dict(global_layers=(2,)), dict(embed_scale=0.0),
+                                dict(global_layers=(2,)), dict(global_layers=3),
+                                dict(global_layers=("0",)), dict(embed_scale=0.0),
                                 dict(attn_scale=-1.0), dict(final_softcap=-3.0),
                                 dict(rope_scale=0.0), dict(rope_local_theta=-1.0)])
 def test_bad_architecture_options(kw):

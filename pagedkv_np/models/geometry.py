@@ -47,7 +47,7 @@ from typing import Union
 import numpy as np
 
 from ..errors import ConfigError, DTypeError, ShapeError
-from ..checks import check_positive_int
+from ..checks import check_positive_int, is_int
 from .gguf.blocks import BlockQuantized
 
 __all__ = ["ACTIVATIONS", "DecoderGeometry", "Linear", "weight_names", "weight_shapes",
@@ -130,11 +130,12 @@ class DecoderGeometry:
                                   f"got {getattr(self, name)!r}")
         if self.sliding_window:
             check_positive_int(self.sliding_window, "sliding_window")
-        layers = tuple(sorted(set(self.global_layers)))
-        if any(not 0 <= i < self.num_layers for i in layers):
-            raise ConfigError(f"Invalid global_layers: {self.global_layers!r} are not all "
-                              f"layers of 0..{self.num_layers - 1}")
-        object.__setattr__(self, "global_layers", layers)
+        layers = self.global_layers
+        if not isinstance(layers, (tuple, list)) or not all(is_int(i) for i in layers) \
+                or any(not 0 <= i < self.num_layers for i in layers):
+            raise ConfigError(f"Invalid global_layers: {layers!r} is not a tuple of layers "
+                              f"of 0..{self.num_layers - 1}")
+        object.__setattr__(self, "global_layers", tuple(sorted({int(i) for i in layers})))
 
     @property
     def num_groups(self) -> int:
