@@ -12,6 +12,7 @@ site-packages, since installing NumPy, Numba and onnxruntime anew took
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import site
@@ -25,6 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # the names of [project.optional-dependencies] (tomllib is Python 3.11+)
+# the fresh environment sees only what is installed in it (and its .pth)
+CLEAN_ENV = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
 EXTRAS = set(re.findall(r"^([a-z]+) = \[", (ROOT / "pyproject.toml").read_text().split(
     "[project.optional-dependencies]")[1].split("\n[")[0], flags=re.M))
 
@@ -76,7 +79,7 @@ def fresh_venv(tmp_path_factory) -> Path:
     # the dependencies: this environment's site-packages, after the fresh one's own
     purelib = subprocess.run([str(python), "-c", "import sysconfig; "
                               "print(sysconfig.get_paths()['purelib'])"], capture_output=True,
-                             text=True, check=True, timeout=60).stdout.strip()
+                             text=True, check=True, timeout=60, env=CLEAN_ENV).stdout.strip()
     ours = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
     Path(purelib, "zz_test_dependencies.pth").write_text("\n".join(sorted(ours)) + "\n")
     return venv
@@ -85,7 +88,7 @@ def fresh_venv(tmp_path_factory) -> Path:
 def test_installed_command_and_readme_example(fresh_venv, tmp_path):
     bin_dir = fresh_venv / "bin"
     proc = subprocess.run([str(bin_dir / "pagedkv"), "--version"], capture_output=True,
-                          text=True, timeout=120, check=False, cwd=tmp_path)
+                          text=True, timeout=120, check=False, cwd=tmp_path, env=CLEAN_ENV)
     assert proc.returncode == 0, proc.stderr
     assert re.fullmatch(r"pagedkv \d+\.\d+\.\d+\n", proc.stdout)
 
@@ -97,7 +100,7 @@ def test_installed_command_and_readme_example(fresh_venv, tmp_path):
     script = tmp_path / "example.py"
     script.write_text(check + example)
     proc = subprocess.run([str(bin_dir / "python"), str(script)], capture_output=True,
-                          text=True, timeout=600, check=False, cwd=tmp_path)
+                          text=True, timeout=600, check=False, cwd=tmp_path, env=CLEAN_ENV)
     assert proc.returncode == 0, proc.stderr
     assert "from the cache" in proc.stdout
 
@@ -108,7 +111,7 @@ def test_installed_package_carries_its_kernels(fresh_venv):
             "print(sorted(p.name for p in r.files('pagedkv_np').joinpath('_kernels')"
             ".iterdir() if p.name.endswith('.cu')))\n")
     proc = subprocess.run([str(fresh_venv / "bin" / "python"), "-c", code], capture_output=True,
-                          text=True, timeout=120, check=False, cwd=fresh_venv)
+                          text=True, timeout=120, check=False, cwd=fresh_venv, env=CLEAN_ENV)
     assert proc.returncode == 0, proc.stderr
     shipped = sorted(p.name for p in (ROOT / "kernels").glob("*.cu"))
     assert shipped and proc.stdout.strip() == str(shipped)
