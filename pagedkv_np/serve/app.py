@@ -42,7 +42,7 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from collections.abc import AsyncIterator, Iterable
 
 from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
@@ -53,6 +53,9 @@ from .prompts import PromptBuilder
 from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, parse_chat, parse_completion,
                        parse_json, sse, usage_chunk, usage_json)
+
+if TYPE_CHECKING:
+    from ..onnxruntime import OrtDecoder
 
 try:
     from starlette.applications import Starlette
@@ -342,7 +345,7 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
     return Metered(BodyLimits(app, limits), engine.metrics.http_requests, _ROUTES)
 
 
-def run_server(decoder: Any, *, model_id: str, host: str = "127.0.0.1", port: int = 8000,
+def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", port: int = 8000,
                api_keys: Iterable[str] = (), max_queue: int = 64,
                graceful_timeout: int = 30, log_level: str = "info",
                limits: ServerLimits | None = None) -> None:

@@ -23,12 +23,15 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 from collections.abc import Callable
 
 from ..errors import PagedKVError
 from ..checks import check_positive_int
 from .metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from ..onnxruntime import OrtDecoder
 
 __all__ = ["EngineLoop", "Job", "Update", "TextStream", "QueueFull", "EngineStopped"]
 
@@ -126,7 +129,7 @@ class EngineLoop:
     metrics : ServerMetrics, optional
     """
 
-    def __init__(self, decoder: Any, *, max_queue: int = 64,
+    def __init__(self, decoder: OrtDecoder, *, max_queue: int = 64,
                  metrics: ServerMetrics | None = None) -> None:
         self.decoder = decoder
         self.max_queue = check_positive_int(max_queue, "max_queue")

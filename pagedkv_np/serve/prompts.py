@@ -2,10 +2,13 @@
 a text stream.
 
 Chat requests go through the model's chat template (with the generation
-prompt), completions through the tokenizer (or arrive as token ids). The
-context length is the smaller of the model's positions and the K/V pool's
-tokens: a prompt that leaves no room for one token, or ``max_tokens`` that
-overrun it, is a 400 before anything reaches the engine.
+prompt), completions through the tokenizer (or arrive as token ids). How
+much a request may hold is the engine's rule alone (``decoder.limits``,
+:class:`~pagedkv_np.onnxruntime.limits.RequestLimits`): the default
+``max_tokens`` is ``limits.room(n)`` after a prompt of ``n`` tokens, and a
+request that ``decoder.check_request`` refuses is a 400
+``context_length_exceeded`` stating the limit in tokens, before anything
+reaches the engine.
 
 A text too long to fit is refused before it is tokenized (tokenizing
 megabytes takes seconds and a gigabyte), when the tokenizer allows a lower
@@ -18,11 +21,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError, PagedKVError
+from ..errors import ConfigError, ContextLengthExceeded, PagedKVError
+from ..onnxruntime.limits import RequestLimits
 from .protocol import APIError, GenerationRequest
 
 try:
@@ -31,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pagedkv_np.serve needs tokenizers and jinja2: "
                       "pip install 'pagedkv-np[serve]'") from exc
 
-__all__ = ["PromptBuilder", "TokenBound", "context_length", "token_bound"]
+__all__ = ["PromptBuilder", "ServedDecoder", "TokenBound", "token_bound"]
 
 # pre-tokenizers that keep every character: they split text, or add to it
 _KEEPING = ("ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "UnicodeScripts")
@@ -145,14 +149,20 @@ def token_bound(tokenizer: Any) -> TokenBound | None:
     return TokenBound(max(len(t) for t in vocab) * shrink, dropped)
 
 
-def context_length(decoder: Any) -> int:
-    """Most tokens (prompt + generated) one request of ``decoder`` can hold."""
-    cache = decoder.cache
-    limit = int(cache.num_pages) * int(cache.page_size)
-    positions = getattr(decoder.io, "max_positions", None)
-    if positions is not None:
-        limit = min(limit, int(positions))
-    return limit
+class ServedDecoder(Protocol):
+    """What the server needs of a decoder (an ``OrtDecoder`` from
+    ``from_pretrained``): its tokenizer, its request limits and its rule."""
+
+    text: Any
+    limits: RequestLimits
+    eos_token_ids: Any
+    io: Any
+    cache: Any
+
+    @property
+    def context_length(self) -> int: ...
+
+    def check_request(self, num_prompt_tokens: int, max_new_tokens: int) -> None: ...
 
 
 class PromptBuilder:
@@ -172,13 +182,15 @@ class PromptBuilder:
         untokenized (None: no bound is provable for this tokenizer).
     """
 
-    def __init__(self, decoder: Any) -> None:
+    def __init__(self, decoder: ServedDecoder) -> None:
         codec = getattr(decoder, "text", None)
         if codec is None:
             raise ConfigError("Invalid decoder: it has no tokenizer (text); load it with "
                               "OrtDecoder.from_pretrained")
         self.codec = codec
-        self.context_length = context_length(decoder)
+        self.decoder = decoder
+        # the most tokens one request holds: the model's positions and the pool's
+        self.context_length = min(decoder.limits.context_length, decoder.limits.pool_tokens)
         self.eos_token_ids = frozenset(getattr(decoder, "eos_token_ids", ()) or ())
         vocab = getattr(decoder.io, "vocab_size", None)
         self.vocab_size = int(vocab) if vocab is not None else int(codec.vocab_size)
@@ -235,23 +247,26 @@ class PromptBuilder:
             code="context_length_exceeded")
 
     def max_tokens(self, req: GenerationRequest, num_prompt_tokens: int) -> int:
-        """The request's token budget: ``max_tokens``, or what the context leaves.
+        """The request's token budget: ``max_tokens``, or what the context
+        leaves (``decoder.limits.room``).
 
         Raises
         ------
         APIError
-            The prompt and ``max_tokens`` do not fit the context.
+            The prompt and ``max_tokens`` do not fit (``decoder.check_request``).
         """
-        room = self.context_length - num_prompt_tokens
+        room = self.decoder.limits.room(num_prompt_tokens)
         wanted = req.max_tokens if req.max_tokens is not None else max(room, 1)
-        if wanted > room:
+        try:
+            self.decoder.check_request(num_prompt_tokens, wanted)
+        except ContextLengthExceeded as exc:
             asked = "" if req.max_tokens is None else f" + {req.max_tokens} max_tokens"
             raise APIError(
-                f"This model's maximum context length is {self.context_length} tokens; the "
-                f"request asks for {num_prompt_tokens} prompt tokens{asked}. Shorten the "
-                "prompt or lower max_tokens.",
+                f"This model's maximum context length is {exc.context_length} tokens; the "
+                f"request asks for {num_prompt_tokens} prompt tokens{asked} (the last "
+                "generated token takes no position). Shorten the prompt or lower max_tokens.",
                 param="messages" if req.messages is not None else "prompt",
-                code="context_length_exceeded")
+                code="context_length_exceeded") from None
         return wanted
 
     def text_stream(self, req: GenerationRequest) -> TextStream:
