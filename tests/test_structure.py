@@ -135,3 +135,31 @@ def test_modules_stay_small():
         if rel not in LONG_ON_PURPOSE and lines > MAX_LINES:
             too_long.append(f"{rel}: {lines}")
     assert not too_long, too_long
+
+
+@pytest.mark.parametrize("old, new", [
+    ("pagedkv_np.onnxruntime.testmodel", "pagedkv_np.models.testmodel"),
+    ("pagedkv_np.onnxruntime.gguf_import", "pagedkv_np.models.gguf.importer"),
+])
+def test_the_old_documented_module_paths_warn_and_still_work(old, new):
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=new):
+        shim = importlib.import_module(old)
+    moved = importlib.import_module(new)
+    assert shim.__all__ == moved.__all__
+    for name in moved.__all__:
+        assert getattr(shim, name) is getattr(moved, name)
+
+
+def test_the_old_gguf_import_command_still_runs():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:__main__", "-m",
+                           "pagedkv_np.onnxruntime.gguf_import", "--help"],
+                          capture_output=True, text=True, timeout=120,
+                          cwd=PACKAGE.parent)
+    assert proc.returncode == 0 and "gguf" in proc.stdout.lower(), proc.stderr[-2000:]

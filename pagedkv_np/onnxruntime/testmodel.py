@@ -1,0 +1,17 @@
+"""Deprecated: test decoders moved to :mod:`pagedkv_np.models.testmodel`.
+
+This module re-exports its names and warns once on import; it will be removed
+in a later release.
+"""
+
+import sys
+import warnings
+
+from ..models.testmodel import *  # noqa: F403
+from ..models.testmodel import __all__, main  # noqa: F401
+
+warnings.warn("pagedkv_np.onnxruntime.testmodel moved to pagedkv_np.models.testmodel",
+              DeprecationWarning, stacklevel=2)
+
+if __name__ == "__main__":  # pragma: no cover - python -m of the old name
+    sys.exit(main())
