@@ -196,7 +196,8 @@ def test_gathers_only_when_the_batch_changes(family, monkeypatch):
     assert stats["num_decode_steps"] == NEW - 1
     assert stats["num_regathers"] == 1                 # once, when the batch formed
     assert len(gathers) == CONFIG.num_layers
-    assert fed and all(a.flags.c_contiguous for a in fed)
+    # a gqa model's prompts and decode steps all run through IOBinding
+    assert (fed or family == "gqa") and all(a.flags.c_contiguous for a in fed)
 
 
 def test_eos_stops_a_request(variant):

@@ -324,6 +324,9 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
 
 def _lm_head(layers: _Layers, x: str) -> None:
     g, c, w = layers.g, layers.c, layers.w
+    g.init(np.array([0], np.int64), "logits_to_keep")   # an input: the head's last rows, 0: all
+    x = g.op("Slice", [x, g.op("Neg", ["logits_to_keep"]), g.const(np.array([2 ** 62], np.int64)),
+                       g.const(np.array([1], np.int64))])
     h = layers.norm(x, "final_norm")
     out = g.name("raw_logits") if c.final_softcap else "logits"
     if not c.tie_word_embeddings:
@@ -341,7 +344,7 @@ def _tied_head(layers: _Layers, h: str, out: str) -> None:
     # the embedding's transpose without a second copy: Gemm reads it transposed
     flat = g.op("Reshape", [h, g.const(np.array([-1, c.hidden_size], np.int64))])
     logits = g.op("Gemm", [flat, layers.vec("embed")], transB=1)
-    shape = g.op("Concat", [_shape_at(g, "input_ids", 0), _shape_at(g, "input_ids", 1),
+    shape = g.op("Concat", [_shape_at(g, h, 0), _shape_at(g, h, 1),
                             g.const(np.array([c.vocab_size], np.int64))], axis=0)
     g.op("Reshape", [logits, shape], outputs=[out])
 
@@ -378,9 +381,10 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     -------
     onnx.ModelProto
         Inputs ``input_ids`` int64 [B, S], ``attention_mask`` int64 [B, P + S],
-        (``position_ids`` int64 [B, S]), past K/V float32
-        [B, num_kv_heads, P, head_dim]; outputs ``logits`` float32 [B, S, vocab]
-        and present K/V float32 [B, num_kv_heads, P + S, head_dim].
+        (``position_ids`` int64 [B, S]), past K/V float32 [B, num_kv_heads, P, head_dim],
+        ``logits_to_keep`` int64 [1] (an input with a default, 0); outputs ``logits``
+        float32 [B, S, vocab] (the last ``logits_to_keep`` positions unless 0) and
+        present K/V float32 [B, num_kv_heads, P + S, head_dim].
 
     Raises
     ------
@@ -435,8 +439,9 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
         order = [(i, kind) for kind in ("key", "value") for i in range(c.num_layers)]
     inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
                for i, kind in order]
+    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
     outputs = [helper.make_tensor_value_info("logits", f32,
-                                             ["batch_size", "sequence_length", c.vocab_size])]
+                                             ["batch_size", "logits_length", c.vocab_size])]
     outputs += [helper.make_tensor_value_info(f"present.{i}.{kind}", f32, present_shape)
                 for i, kind in order]
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)

@@ -35,14 +35,15 @@ When a step fails, only the requests it concerns end:
 from __future__ import annotations
 
 import collections
+import time
 
 import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import RequestFailed
+from .chunking import ChunkBudget, Prefill
 from .requests import Request, StepEvents
 from .runners import Runner
-from .sampling import sample
 
 __all__ = ["Batcher"]
 
@@ -68,14 +69,19 @@ class Batcher:
         Caps the GQA decode buffers.
     counters : dict
         Updated in place (the decoder's ``stats``).
+    chunks : ChunkBudget
+        Prompt tokens a step feeds (:mod:`pagedkv_np.onnxruntime.chunking`).
     """
 
     def __init__(self, cache: PagedKVCache, runner: Runner, max_batch_size: int,
-                 write_interval: int, max_positions: int | None, counters: dict) -> None:
+                 write_interval: int, max_positions: int | None, counters: dict,
+                 chunks: ChunkBudget | None = None) -> None:
         self.cache = cache
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.write_interval = write_interval
+        self.chunks = chunks or ChunkBudget()
+        self.prefilling: Prefill | None = None   # the prompt being fed
         self.max_positions = max_positions
         self.counters = counters
         self.waiting: collections.deque[Request] = collections.deque()
@@ -89,9 +95,13 @@ class Batcher:
         """One decode step of the running requests, then admissions."""
         events = StepEvents()
         try:
+            decoding = bool(self.running)
+            start = time.perf_counter()
             preempted = self.decode(events)
+            if decoding:
+                self.chunks.decoded(time.perf_counter() - start)
             if not preempted:
-                self.admit(events)
+                self.admit(events, decoding)
         except BaseException:
             # an interrupt (per-request failures are handled where they
             # happen): nothing half done stays; what finished before it is
@@ -108,6 +118,10 @@ class Batcher:
 
     def abort(self, req: Request) -> None:
         """End ``req`` now (it is not finished); its pages go back to the pool."""
+        if self.prefilling is not None and self.prefilling.req is req:
+            self._close_prefill(requeue=False)
+            self.finish(req, "abort")
+            return
         if req.seq is not None and req in self._batch:
             self.flush()       # its decoded K/V stays cached
         if req in self.waiting:          # also where a failed flush puts it
@@ -126,15 +140,13 @@ class Batcher:
             req.error = RequestFailed(req.rid, cause)
             self.counters["num_failed_requests"] += 1
         self.finished_log.append(req)
+        self.waiting.extendleft(req.hand_over_forks())   # its continuations go on without it
 
     def _accept(self, req: Request, token: int, events: StepEvents) -> None:
-        req.generated.append(token)
-        events.setdefault(req.rid, []).append(token)
+        reason = req.accept(token, events)
         self.counters["num_generated_tokens"] += 1
-        if token in req.eos:
-            self.finish(req, "stop")
-        elif len(req.generated) >= req.max_new_tokens:
-            self.finish(req, "length")
+        if reason is not None:
+            self.finish(req, reason)
 
     def _retire_finished(self) -> None:
         if any(r.finished for r in self.running):
@@ -167,6 +179,7 @@ class Batcher:
         """After an interrupt: every running request that is not finished goes
         back to the queue, to be recomputed; K/V not yet written is never
         indexed."""
+        self._close_prefill(requeue=True)
         for req in reversed(self.running):
             if req.seq is not None and not req.seq.is_released:
                 self.cache.release(req.seq)
@@ -228,7 +241,12 @@ class Batcher:
         while self.running:
             if cache.can_extend_batch([r.seq for r in self.running]):
                 break
-            self._preempt(self.running[-1])   # youngest first: the oldest always advance
+            # youngest first: the open prompt, then the running requests, so
+            # that the oldest always advance
+            if self.prefilling is not None:
+                self._close_prefill(requeue=True)
+            else:
+                self._preempt(self.running[-1])
             preempted = True
         if not self.running:
             return preempted
@@ -294,7 +312,7 @@ class Batcher:
         for b, r in enumerate(reqs):
             r.isolate = False
             try:
-                token = greedy[b] if r.rng is None else sample(logits[b], r.params, r.rng)
+                token = greedy[b] if r.fast_greedy else r.choose(logits[b])
             except Exception as exc:
                 self.finish(r, "error", exc)   # released with the finished ones
                 continue
@@ -314,49 +332,122 @@ class Batcher:
             r.isolate = True
         return [[r] for r in reqs]
 
-    def admit(self, events: StepEvents) -> None:
-        cache = self.cache
-        while self.waiting and len(self.running) < self.max_batch_size:
-            req = self.waiting[0]
-            seq = plan = None
-            try:
-                tokens = req.all_tokens()
-                seq = cache.add_sequence(tokens, salt=req.salt)
-                num_cached = seq.num_cached_tokens
-                # keep a page per running request so the next decode step rarely preempts
-                if not cache.can_extend(seq, tokens.shape[0] - num_cached,
-                                        spare_pages=len(self.running)):
-                    cache.release(seq)
-                    break
-                past = None
-                if num_cached:
-                    gather_plan = cache.plan([seq])
-                    past = [cache.gather(layer, gather_plan, "BHTD", host=True)
-                            for layer in range(self.cache.num_layers)]
-                cache.extend(seq, tokens[num_cached:])
-                plan = cache.plan([seq])
-                logits, kv = self.runner.prefill(tokens[num_cached:], num_cached, past)
-                for layer, (k, v) in enumerate(kv):
-                    cache.write(layer, plan, k, v)
-                token = sample(logits, req.params, req.rng)
-            except BaseException as exc:
-                if plan is not None and not cache.is_written(plan):
-                    cache.discard(plan)       # nothing of this prefill gets indexed
-                if seq is not None and not seq.is_released:
-                    cache.release(seq)
-                if not isinstance(exc, Exception):
-                    raise                     # an interrupt: it stays first in the queue
-                self.waiting.popleft()
-                self.finish(req, "error", exc)
+    def admit(self, events: StepEvents, decoding: bool = False) -> None:
+        """Feed up to this step's budget of prompt tokens: the open prompt's
+        next chunk, then waiting requests, oldest first, while the batch has
+        room and the pool has pages. ``decoding``: whether this step decoded
+        running requests (the budget is then a chunk's)."""
+        budget = self.chunks.tokens(decoding)
+        while budget > 0:
+            if self.prefilling is None and not self._open(events):
+                break
+            fill = self.prefilling
+            if fill is None:          # the request failed at once: on to the next
                 continue
+            n = min(budget, fill.num_tokens - fill.num_done)
+            budget -= n
+            if not self._feed(fill, n, events, decoding):
+                break
+
+    def _open(self, events: StepEvents) -> bool:
+        """Start prefilling the first waiting request; False when there is
+        none, no room in the batch or too few pages for its prompt."""
+        if not self.waiting or len(self.running) + self.waiting[0].width > self.max_batch_size:
+            return False
+        cache, req = self.cache, self.waiting[0]
+        seq = None
+        try:
+            tokens = req.all_tokens()
+            seq = cache.add_sequence(tokens, salt=req.salt)
+            num_cached = seq.num_cached_tokens
+            # keep a page per running request so the next decode step rarely preempts
+            if not cache.can_extend(seq, tokens.shape[0] - num_cached,
+                                    spare_pages=len(self.running) + len(req.forks)):
+                cache.release(seq)
+                return False
+        except BaseException as exc:
+            if seq is not None and not seq.is_released:
+                cache.release(seq)
+            if not isinstance(exc, Exception):
+                raise                     # an interrupt: it stays first in the queue
             self.waiting.popleft()
-            req.seq = seq
-            self.running.append(req)
-            if not req.admitted:
-                req.admitted, req.num_cached = True, num_cached
-                events.admitted[req.rid] = num_cached
-            self.counters["num_prefills"] += 1
-            self.counters["prefix_hit_tokens"] += num_cached
-            self.counters["prefix_query_tokens"] += tokens.shape[0]
-            self._accept(req, token, events)
-            self._retire_finished()
+            self.finish(req, "error", exc)
+            return True
+        self.waiting.popleft()
+        self.prefilling = Prefill(req, seq, tokens, num_cached)
+        if not req.admitted:
+            req.admitted, req.num_cached = True, num_cached
+            events.admitted[req.rid] = num_cached
+        self.counters["prefix_hit_tokens"] += num_cached
+        self.counters["prefix_query_tokens"] += tokens.shape[0]
+        return True
+
+    def _feed(self, fill: Prefill, n: int, events: StepEvents, decoding: bool) -> bool:
+        """Prefill the next ``n`` tokens of the open prompt; on its last
+        chunk the request samples its first token and joins the batch.
+        False when the pool has no room for the chunk (the prompt goes back
+        to the queue)."""
+        cache, req, seq = self.cache, fill.req, fill.seq
+        start = fill.num_done
+        chunk = fill.tokens[start:start + n]
+        plan = None
+        started = time.perf_counter()
+        try:
+            if not cache.can_extend(seq, n):
+                self._close_prefill(requeue=True)
+                return False
+            past = None
+            if start == fill.num_cached and start:    # the first chunk reads the cached past
+                gather_plan = cache.plan([seq])
+                past = lambda layer, out: cache.gather(  # noqa: E731
+                    layer, gather_plan, "BHTD", out=out, host=True)
+            logits, kv = self.runner.prefill(chunk, start, past, fill.num_tokens)
+            cache.extend(seq, chunk)
+            plan = cache.plan([seq])
+            for layer, (k, v) in enumerate(kv):
+                cache.write(layer, plan, k, v)
+            last = start + n == fill.num_tokens
+            token = req.choose(logits) if last else None
+        except BaseException as exc:
+            if plan is not None and not cache.is_written(plan):
+                cache.discard(plan)       # nothing of this chunk gets indexed
+            if not isinstance(exc, Exception):
+                self._close_prefill(requeue=True)
+                raise                     # an interrupt: it stays first in the queue
+            self._close_prefill(requeue=False)
+            self.finish(req, "error", exc)
+            return True
+        fill.num_done += n
+        self.counters["num_prefill_chunks"] += 1
+        self.chunks.fed(n, time.perf_counter() - started, decoding)
+        if token is None:
+            return True
+        self.prefilling = None
+        req.seq = seq
+        self.running.append(req)
+        self.counters["num_prefills"] += 1
+        self._accept(req, token, events)
+        for fork, token, failure in req.start_forks(lambda: cache.fork(seq), logits, events):
+            if failure is not None:
+                self.finish(fork, "error", failure)
+            else:
+                self.running.append(fork)
+                self._accept(fork, token, events)
+        self._retire_finished()
+        return True
+
+    def _close_prefill(self, requeue: bool) -> None:
+        """Give up the open prompt: its pages go back (the chunks written so
+        far stay cached) and, with ``requeue``, it waits first in the queue,
+        to be prefilled again from what the cache still holds."""
+        fill = self.prefilling
+        if fill is None:
+            return
+        self.prefilling = None
+        self.runner.forget_prompt()
+        if not fill.seq.is_released:
+            self.cache.release(fill.seq)
+        if requeue:
+            self.waiting.appendleft(fill.req)
+            self.counters["num_preemptions"] += 1
+

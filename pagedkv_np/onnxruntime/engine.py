@@ -25,7 +25,11 @@ Why the data moves as it does:
   gather when a sequence outgrows it.
 - Prefill runs one request per call: GroupQueryAttention takes a batch of
   one when a step has both past context and several new tokens, and a lone
-  prompt needs no padding.
+  prompt needs no padding. A long prompt is fed in chunks, one a step
+  between the decode steps of the running requests (``prefill_chunk``),
+  continuing in the runner's buffers; a graph built by
+  :mod:`pagedkv_np.models.graph` computes logits for the last position only
+  (its ``logits_to_keep`` input), others for every position of a chunk.
 
 When a step fails, only the requests it concerns end (with
 ``finish_reason == "error"`` and a :class:`~pagedkv_np.errors.RequestFailed`
@@ -43,25 +47,22 @@ import itertools
 import os
 import threading
 from typing import Any
-from collections.abc import Iterable
 
 from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
 from ..quant import resolve_quant
-from ..prefix import encode_salt
 from ..tiers.fingerprint import model_fingerprint, weights_digest
 from ..threads import thread_budget
 from ..tiers.manager import flat_stats
-from ..tokens import as_tokens
 from .batching import Batcher
+from .chunking import ChunkBudget
 from .limits import RequestLimits
 from .model_io import discover, graph_facts
-from .requests import (Request, RequestStatus, StepEvents, check_request_id, make_rng,
-                       parse_eos, spawn_seeds)
+from .request_api import RequestAPI
+from .requests import Request, RequestStatus, StepEvents, check_request_id, parse_eos
 from .runners import Runner, make_runner
-from .sampling import SamplingParams
 from .session import load_model, make_session
 from .textgen import TextGenerationMixin
 
@@ -83,7 +84,7 @@ class RequestNotFound(PagedKVError, KeyError):
     """No request with that id (never added, or its output was already taken)."""
 
 
-class OrtDecoder(TextGenerationMixin):
+class OrtDecoder(RequestAPI, TextGenerationMixin):
     """Generate with an ONNX decoder, continuous batching and prefix reuse.
 
     Parameters
@@ -117,6 +118,12 @@ class OrtDecoder(TextGenerationMixin):
         Decode steps whose K/V stays in the model's buffers before it is
         written into the pages, in one call per layer (sooner when the batch
         changes or a request ends). 1 writes every step.
+    prefill_chunk : int, optional
+        Prompt tokens a step feeds while other requests decode: a long
+        prompt is fed in chunks between their decode steps, so that they do
+        not stall for its whole prefill. None (the default) sizes each chunk
+        to take about two decode steps, so that their gaps stay within about
+        3x their usual one; see :mod:`pagedkv_np.onnxruntime.chunking`.
     family : {"auto", "optimum", "gqa"}
     num_kv_heads, head_dim : int, optional
         For models whose past inputs leave these dimensions symbolic.
@@ -167,7 +174,7 @@ class OrtDecoder(TextGenerationMixin):
                  max_batch_size: int = 8, eos_token_id: Any = None, backend: str = "auto",
                  layout: str = "HND", enable_prefix_caching: bool = True,
                  partial_page_reuse: bool = True, write_interval: int = 16,
-                 family: str = "auto",
+                 prefill_chunk: int | None = None, family: str = "auto",
                  num_kv_heads: int | None = None,
                  head_dim: int | None = None, max_positions: int | None = None,
                  session_options: Any = None, threads: Any = None, spin: Any = None,
@@ -177,6 +184,7 @@ class OrtDecoder(TextGenerationMixin):
                  kv_dtype: Any = None, text: Any = None, model_folder: Any = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
+        chunks = ChunkBudget(prefill_chunk)
         if max_positions is not None:
             max_positions = check_positive_int(max_positions, "max_positions")
         self.eos_token_ids = parse_eos(eos_token_id)
@@ -189,8 +197,12 @@ class OrtDecoder(TextGenerationMixin):
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
         del proto
-        self.session = make_session(source, self.threads.session_options(session_options),
-                                    providers)
+        options = self.threads.session_options(session_options)
+        if session_options is None:
+            # onnxruntime warns at load of every graph of models.graph that its
+            # logits_to_keep input has a default: that is the point of it
+            options.log_severity_level = 3
+        self.session = make_session(source, options, providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
         io = self.io
@@ -218,11 +230,13 @@ class OrtDecoder(TextGenerationMixin):
         self._incoming: collections.deque[Request] = collections.deque()
         self._requests: dict[int, Request] = {}
         self._counters = dict.fromkeys(
-            ("prefix_hit_tokens", "prefix_query_tokens", "num_prefills", "num_decode_steps",
+            ("prefix_hit_tokens", "prefix_query_tokens", "num_prefills",
+             "num_prefill_chunks", "num_decode_steps",
              "num_generated_tokens", "num_preemptions", "num_regathers",
              "num_failed_requests", "num_batch_failures"), 0)
         self._batcher = Batcher(self.cache, make_runner(self.session, io), self.max_batch_size,
-                                self.write_interval, self.max_positions, self._counters)
+                                self.write_interval, self.max_positions, self._counters,
+                                chunks)
 
     def __repr__(self) -> str:
         cache = self.cache
@@ -241,57 +255,6 @@ class OrtDecoder(TextGenerationMixin):
         self._batcher.runner = runner
 
     # ------------------------------------------------------------- requests
-    def add_request(self, prompt: Any, max_new_tokens: int = 64, *, eos_token_id: Any = None,
-                    temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                    seed: Any = None, salt: Any = None) -> int:
-        """Queue a request; returns its id. Thread-safe.
-
-        Parameters
-        ----------
-        prompt : sequence of int, length >= 1
-            Token ids in ``[0, vocab_size)``; copied, so the caller may reuse
-            its buffer at once.
-        max_new_tokens : int
-            Stop after this many generated tokens.
-        eos_token_id : int or iterable of int, optional
-            Overrides the decoder's default; the end token is returned as the
-            last generated token.
-        temperature, top_k, top_p : see :class:`SamplingParams`
-            ``temperature=0`` (the default) is greedy.
-        seed : int or numpy SeedSequence, optional
-            Seed of this request's sampler.
-        salt : str, bytes or int, optional
-            Requests share cached pages only with requests of the same salt.
-
-        Raises
-        ------
-        DTypeError, ShapeError
-            The prompt is not a 1-D sequence of integers, or is empty.
-        ConfigError
-            A token id is outside the vocabulary, or the prompt plus
-            ``max_new_tokens`` cannot fit the pool (or :attr:`max_positions`).
-        """
-        req = self._new_request(prompt, max_new_tokens, eos_token_id, temperature, top_k,
-                                top_p, seed, salt)
-        self._enqueue([req])
-        return req.rid
-
-    def _new_request(self, prompt, max_new_tokens, eos_token_id, temperature, top_k, top_p,
-                     seed, salt) -> Request:
-        """A checked request, not yet queued (see :meth:`add_request`)."""
-        tokens = as_tokens(prompt, "prompt", allow_empty=False)   # a copy of its own
-        encode_salt(salt)
-        max_new_tokens = check_positive_int(max_new_tokens, "max_new_tokens")
-        vocab = self.io.vocab_size
-        if vocab is not None and int(tokens.max()) >= vocab:
-            raise ConfigError(f"Invalid prompt: token id {int(tokens.max())} is outside the "
-                              f"model's vocabulary [0, {vocab})")
-        self.check_request(tokens.shape[0], max_new_tokens)
-        params = SamplingParams(temperature, top_k, top_p)
-        eos = self.eos_token_ids if eos_token_id is None else parse_eos(eos_token_id)
-        rng = None if params.greedy else make_rng(seed)
-        return Request(tokens, max_new_tokens, eos, params, rng, salt)
-
     @property
     def context_length(self) -> int:
         """The model's positions (:attr:`max_positions`), or the pool's tokens
@@ -303,13 +266,6 @@ class OrtDecoder(TextGenerationMixin):
         request of this size fits the model and the pool: the one rule for the
         library and the server (:class:`~pagedkv_np.onnxruntime.limits.RequestLimits`)."""
         self.limits.check(num_prompt_tokens, max_new_tokens)
-
-    def _enqueue(self, reqs: list) -> None:
-        with self._lock:
-            for req in reqs:
-                req.rid = next(self._ids)
-                self._requests[req.rid] = req
-                self._incoming.append(req)
 
     def is_finished(self, request_id: int) -> bool:
         return self._get(request_id).finished
@@ -350,7 +306,9 @@ class OrtDecoder(TextGenerationMixin):
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
-            return bool(self._incoming or self._batcher.waiting or self._batcher.running)
+            batcher = self._batcher
+            return bool(self._incoming or batcher.waiting or batcher.running
+                        or batcher.prefilling is not None)
 
     def _get(self, request_id: Any) -> Request:
         req = self._requests.get(check_request_id(request_id))
@@ -376,68 +334,6 @@ class OrtDecoder(TextGenerationMixin):
                 self._incoming.clear()
             return self._batcher.step()
 
-    def generate(self, prompts: Iterable[Any], max_new_tokens: int = 64, *,
-                 eos_token_id: Any = None, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: Any = None, salt: Any = None) -> list[list[int]]:
-        """Generate for every prompt; returns the new tokens of each, in order.
-
-        With sampling, request ``i`` is seeded from ``SeedSequence(seed).spawn``,
-        so the result does not depend on batching or preemption. Requests
-        queued with :meth:`add_request` advance meanwhile; their tokens are in
-        :meth:`get_output` and their finishes in the next :meth:`step`'s
-        ``finished``.
-
-        Raises
-        ------
-        RequestFailed
-            One of the requests failed (``__cause__`` says why); the call's
-            other requests were aborted and all of them forgotten.
-        """
-        if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
-            raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
-                             f"got {type(prompts).__name__}")
-        try:
-            prompts = list(prompts)
-        except TypeError:   # a 0-d array has __iter__ but cannot be iterated
-            raise DTypeError(f"Invalid prompts: expected a list of token id sequences, "
-                             f"got {type(prompts).__name__}") from None
-        seeds = spawn_seeds(temperature, seed, len(prompts))
-        # every prompt is checked before any is queued
-        reqs = [self._new_request(p, max_new_tokens, eos_token_id, temperature, top_k, top_p,
-                                  s, salt) for p, s in zip(prompts, seeds)]
-        with self._step_lock:
-            self._enqueue(reqs)
-            mine = {r.rid for r in reqs}
-            try:
-                while not all(r.finished for r in reqs):
-                    failed = next((r for r in reqs if r.error is not None), None)
-                    if failed is not None:
-                        raise failed.error   # type: ignore[misc]
-                    events = self.step()
-                    # other requests advance too: their finishes are reported
-                    # by the next step() of whoever drives them
-                    self._batcher.finished_log.extend(
-                        self._requests[rid] for rid in events.finished
-                        if rid not in mine and rid in self._requests)
-                failed = next((r for r in reqs if r.error is not None), None)
-                if failed is not None:
-                    raise failed.error   # type: ignore[misc]
-            except BaseException:
-                self._forget(reqs)
-                raise
-            return [self.pop_output(r.rid) for r in reqs]
-
-    def _forget(self, reqs: list[Request]) -> None:
-        """Abort what is left of ``reqs`` and forget them all (a failed generate)."""
-        for req in reqs:
-            if not req.finished:
-                self.abort(req.rid)
-        with self._lock:
-            for req in reqs:
-                self._requests.pop(req.rid, None)
-        log = self._batcher.finished_log
-        log[:] = [r for r in log if r not in reqs]
-
     @property
     def stats(self) -> dict:
         """Counters: prompt tokens served from the cache (``prefix_hit_tokens``)
@@ -450,7 +346,8 @@ class OrtDecoder(TextGenerationMixin):
         out["prefix_hit_rate"] = out["prefix_hit_tokens"] / q if q else 0.0
         out.update(num_pages=cache.num_pages, pages_used=cache.pages_used,
                    pages_free=cache.pages_free, pages_evictable=cache.pages_evictable,
-                   num_running=len(self._batcher.running),
+                   num_running=len(self._batcher.running)
+                   + (self._batcher.prefilling is not None),
                    num_waiting=len(self._batcher.waiting) + len(self._incoming))
         out.update(flat_stats(self.cache.tiers))
         return out

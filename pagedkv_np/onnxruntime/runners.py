@@ -19,9 +19,14 @@ from collections.abc import Callable
 import numpy as np
 import onnxruntime as ort
 
+from ..errors import ConfigError
 from .model_io import ModelIO
 
-__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather"]
+__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "LOGITS_TO_KEEP"]
+
+#: The optional input (an overridable initializer, default 0: every position)
+#: of graphs that compute logits for only their last ``n`` positions.
+LOGITS_TO_KEEP = "logits_to_keep"
 
 # gather(layer, out) -> (k, v): one layer's past K/V of the batch, [B, H, T, D]
 Gather = Callable[[int, "tuple[np.ndarray, np.ndarray] | None"],
@@ -40,21 +45,37 @@ class Runner:
         self.io = io
         self.capacity = 0
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
+        # a graph that can skip the logits of all but the last position
+        # (pagedkv_np.models.graph): a prompt needs only its last token's
+        overridable = {arg.name for arg in session.get_overridable_initializers()}
+        self._last_logits = (np.ones(1, np.int64) if LOGITS_TO_KEEP in overridable
+                             else None)
+        self._prompt: Any = None          # what a prompt's next chunk continues from
+        self._prompt_positions = 0
 
     def _empty_past(self) -> np.ndarray:
         return np.zeros((1, self.io.num_kv_heads, 0, self.io.head_dim), dtype=self.io.dtype)
 
-    def prefill(self, tokens: np.ndarray, num_past: int,
-                past: list[tuple[np.ndarray, np.ndarray]] | None):
-        """Run one sequence's new tokens after ``num_past`` cached ones.
+    def prefill(self, tokens: np.ndarray, num_past: int, past: Gather | None = None,
+                capacity: int | None = None):
+        """Run one sequence's new tokens after ``num_past`` cached ones: a
+        whole prompt, or one chunk of it.
 
         Parameters
         ----------
         tokens : ndarray, shape [n], dtype int64
         num_past : int
-        past : list of (k, v), optional
-            Per layer, shape [1, num_kv_heads, num_past, head_dim], C-contiguous;
-            None when ``num_past == 0``.
+        past : callable, optional
+            ``gather(layer, out)`` of the cached past, as for
+            :meth:`start_batch` (``T >= num_past``). None when ``num_past``
+            is 0, or to continue the prompt of the previous call, whose K/V
+            the runner kept because that call's ``capacity`` went further.
+        capacity : int, optional
+            Positions the prompt reaches with the chunks still to come
+            (default ``num_past + n``: this is its last chunk). Until then
+            the runner keeps the prompt's K/V for the next call (a
+            GroupQueryAttention model fills one buffer of this size in
+            place, chunk after chunk).
 
         Returns
         -------
@@ -62,23 +83,48 @@ class Runner:
             Of the last token.
         kv : list of (k, v)
             Per layer, the new tokens' K/V, shape [n, num_kv_heads, head_dim] (views).
+
+        Raises
+        ------
+        ConfigError
+            ``past`` is None with ``num_past > 0`` and the runner holds no
+            prompt of ``num_past`` positions to continue.
         """
+        n = tokens.shape[0]
+        total = num_past + n
+        capacity = total if capacity is None else max(int(capacity), total)
+        kept, positions = self._prompt, self._prompt_positions
+        if past is None and num_past and positions != num_past:
+            raise ConfigError(f"Invalid prefill: no prompt of {num_past} positions to "
+                              f"continue (the runner holds {positions})")
+        self.forget_prompt()
+        logits, kv, state = self._run_prompt(tokens, num_past, past, capacity,
+                                             kept if past is None and num_past else None)
+        if capacity > total:
+            self._prompt, self._prompt_positions = state, total
+        return logits, kv
+
+    def _run_prompt(self, tokens: np.ndarray, num_past: int, past: Gather | None,
+                    capacity: int, kept: Any):
+        """(logits, kv, state to continue from): see :meth:`prefill`; ``kept``
+        is the state of the previous call to continue, else None."""
+        raise NotImplementedError
+
+    def forget_prompt(self) -> None:
+        """Drop the K/V kept for a prompt's next chunk."""
+        self._prompt = None
+        self._prompt_positions = 0
+
+    def _prompt_feeds(self, tokens: np.ndarray, num_past: int) -> dict[str, np.ndarray]:
         io, n = self.io, tokens.shape[0]
         feeds = {"input_ids": tokens.astype(io.input_ids_dtype).reshape(1, n),
                  "attention_mask": np.ones((1, num_past + n), dtype=io.attention_mask_dtype)}
         if io.has_position_ids:
             feeds["position_ids"] = np.arange(num_past, num_past + n,
                                               dtype=io.position_ids_dtype).reshape(1, n)
-        for layer in range(io.num_layers):
-            k, v = past[layer] if past is not None else (self._empty_past(), self._empty_past())
-            feeds[io.past_keys[layer]] = k
-            feeds[io.past_values[layer]] = v
-        outs = self.session.run(self._outputs, feeds)
-        num_layers = io.num_layers
-        kv = [(outs[1 + i][0, :, num_past:].transpose(1, 0, 2),
-               outs[1 + num_layers + i][0, :, num_past:].transpose(1, 0, 2))
-              for i in range(num_layers)]
-        return outs[0][0, -1], kv
+        if self._last_logits is not None:
+            feeds[LOGITS_TO_KEEP] = self._last_logits
+        return feeds
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         """Take a new decode batch.
@@ -150,6 +196,25 @@ class OptimumRunner(Runner):
         self._past: list[tuple[np.ndarray, np.ndarray]] = []
         self._mask: np.ndarray | None = None
 
+    def _run_prompt(self, tokens, num_past, past, capacity, kept):
+        io = self.io
+        feeds = self._prompt_feeds(tokens, num_past)
+        for layer in range(io.num_layers):
+            if past is not None:
+                k, v = past(layer, None)
+            elif kept is not None:
+                k, v = kept[layer]
+            else:
+                k, v = self._empty_past(), self._empty_past()
+            feeds[io.past_keys[layer]] = k
+            feeds[io.past_values[layer]] = v
+        outs = self.session.run(self._outputs, feeds)
+        n = io.num_layers
+        present = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
+        kv = [(k[0, :, num_past:].transpose(1, 0, 2), v[0, :, num_past:].transpose(1, 0, 2))
+              for k, v in present]
+        return outs[0][0, -1], kv, present
+
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         # right padded with holes: sequence b holds positions [0, lens[b]); the
         # mask hides [lens[b], max(lens)); new tokens are appended after max(lens)
@@ -198,6 +263,39 @@ class GqaRunner(Runner):
 
     def needs_gather(self, longest: int) -> bool:
         return longest + 1 > self.capacity
+
+    def _run_prompt(self, tokens, num_past, past, capacity, kept):
+        io, n = self.io, tokens.shape[0]
+        if kept is not None:
+            bufs, binding = kept          # the previous chunk's, filled in place
+        else:
+            # past and present share one buffer per layer, as in decode steps
+            shape = (1, io.num_kv_heads, capacity, io.head_dim)
+            binding = self.session.io_binding()
+            binding.bind_output(io.logits, "cpu")     # first: get_outputs()[0]
+            bufs = []
+            for layer in range(io.num_layers):
+                k, v = np.empty(shape, io.dtype), np.empty(shape, io.dtype)
+                if past is not None:
+                    past(layer, (k, v))
+                for arr, src, dst in ((k, io.past_keys[layer], io.present_keys[layer]),
+                                      (v, io.past_values[layer], io.present_values[layer])):
+                    value = ort.OrtValue.ortvalue_from_numpy(arr)
+                    binding.bind_ortvalue_input(src, value)
+                    binding.bind_ortvalue_output(dst, value)
+                bufs.append((k, v))
+        # as OrtValues: bind_cpu_input refuses an input with a default (logits_to_keep)
+        feeds = self._prompt_feeds(tokens, num_past)     # alive until the run ends
+        values = {name: ort.OrtValue.ortvalue_from_numpy(arr) for name, arr in feeds.items()}
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output(io.logits, "cpu")   # a fresh array of this chunk's shape
+        self.session.run_with_iobinding(binding)
+        logits = binding.get_outputs()[0].numpy()
+        end = num_past + n
+        kv = [(k[0, :, num_past:end].transpose(1, 0, 2), v[0, :, num_past:end].transpose(1, 0, 2))
+              for k, v in bufs]
+        return logits[0, -1], kv, (bufs, binding)
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         io, b = self.io, lens.shape[0]
