@@ -51,6 +51,8 @@ CORPUS = ["The capital of France is Paris. The capital of Japan is Tokyo.",
 SYSTEM = ("You are a helpful assistant. Answer briefly and precisely. The capital of France "
           "is Paris, the capital of Japan is Tokyo. " * 3)
 SERVE_SECTION = "## HTTP server (OpenAI-compatible)"
+# the served name of the test folder (its folder name)
+MODEL = "tiny-chat"
 
 
 # --------------------------------------------------------------------- helpers
@@ -260,7 +262,7 @@ def doc_serve_args() -> list[str]:
 # -------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> pathlib.Path:
-    path = tmp_path_factory.mktemp("serve") / "tiny-chat"
+    path = tmp_path_factory.mktemp("serve") / MODEL
     build_folder(path)
     return path
 
@@ -302,7 +304,7 @@ class TestEndpoints:
         client = server.client()
         messages = chat_messages("What is the capital of France?")
         want, num_prompt = ref.chat(messages, 24)
-        got = client.chat.completions.create(model="x", messages=messages, max_tokens=24,
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
                                              temperature=0)
         assert got.object == "chat.completion"
         assert got.choices[0].message.role == "assistant"
@@ -318,7 +320,7 @@ class TestEndpoints:
         messages = chat_messages("How are you today?")
         want, num_prompt = ref.chat(messages, 32)
         text, chunks = streamed(client.chat.completions.create(
-            model="x", messages=messages, max_tokens=32, temperature=0, stream=True,
+            model=MODEL, messages=messages, max_tokens=32, temperature=0, stream=True,
             stream_options={"include_usage": True}))
         assert text == want
         assert chunks[0].choices[0].delta.role == "assistant"
@@ -329,12 +331,12 @@ class TestEndpoints:
     def test_completion_and_stream(self, server, ref):
         client = server.client()
         want, num_prompt = ref.completion("The capital of Japan is", 20)
-        got = client.completions.create(model="x", prompt="The capital of Japan is",
+        got = client.completions.create(model=MODEL, prompt="The capital of Japan is",
                                         max_tokens=20, temperature=0)
         assert got.object == "text_completion"
         assert got.choices[0].text == want and got.usage.prompt_tokens == num_prompt
         text, chunks = streamed(client.completions.create(
-            model="x", prompt="The capital of Japan is", max_tokens=20, temperature=0,
+            model=MODEL, prompt="The capital of Japan is", max_tokens=20, temperature=0,
             stream=True))
         assert text == want
         assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
@@ -392,18 +394,18 @@ class TestEndpoints:
         want, _ = ref.chat(messages, 40, stop=[stop, "never-there"])
         assert want == whole[:whole.index(stop)]
         client = server.client()
-        got = client.chat.completions.create(model="x", messages=messages, max_tokens=40,
+        got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40,
                                              temperature=0, stop=[stop, "never-there"])
         assert got.choices[0].message.content == want
         assert got.choices[0].finish_reason == "stop"
         text, _ = streamed(client.chat.completions.create(
-            model="x", messages=messages, max_tokens=40, temperature=0, stop=stop,
+            model=MODEL, messages=messages, max_tokens=40, temperature=0, stop=stop,
             stream=True))
         assert text == want
 
     def test_seeded_sampling_repeats(self, server):
         client = server.client()
-        kw = dict(model="x", messages=chat_messages("Tell me about Paris"), max_tokens=16,
+        kw = dict(model=MODEL, messages=chat_messages("Tell me about Paris"), max_tokens=16,
                   temperature=1.0, top_p=0.9, seed=1234)
         a = client.chat.completions.create(**kw).choices[0].message.content
         b = client.chat.completions.create(**kw).choices[0].message.content
@@ -416,7 +418,7 @@ class TestEndpoints:
 
         async def one(client, q):
             stream = await client.chat.completions.create(
-                model="x", messages=chat_messages(q), max_tokens=24, temperature=0,
+                model=MODEL, messages=chat_messages(q), max_tokens=24, temperature=0,
                 stream=True)
             return "".join([c.choices[0].delta.content or "" async for c in stream
                             if c.choices])
@@ -438,7 +440,8 @@ class TestPrefixCacheAndTenants:
 
         def cached(question, salt):
             body = {"cache_salt": salt} if salt is not None else None
-            r = client.chat.completions.create(model="x", messages=chat_messages(question, system),
+            r = client.chat.completions.create(model=MODEL,
+                                               messages=chat_messages(question, system),
                                                max_tokens=4, temperature=0, extra_body=body)
             return r.usage.prompt_tokens_details.cached_tokens, r.usage.prompt_tokens
 
@@ -462,7 +465,7 @@ class TestPrefixCacheAndTenants:
 
             def cached(key, question):
                 r = s.client(api_key=key).chat.completions.create(
-                    model="x", messages=chat_messages(question, system), max_tokens=4,
+                    model=MODEL, messages=chat_messages(question, system), max_tokens=4,
                     temperature=0)
                 return r.usage.prompt_tokens_details.cached_tokens
 
@@ -570,9 +573,9 @@ class TestErrors:
     def test_openai_client_raises(self, server):
         client = server.client()
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="x", messages=[], max_tokens=4)
+            client.chat.completions.create(model=MODEL, messages=[], max_tokens=4)
         with pytest.raises(openai.BadRequestError):
-            client.chat.completions.create(model="x", messages=chat_messages("hi"),
+            client.chat.completions.create(model=MODEL, messages=chat_messages("hi"),
                                            max_tokens=0)
 
     def test_unknown_route_and_method(self, server):
@@ -788,7 +791,8 @@ class TestCommandLine:
 class TestDocs:
     def test_doc_examples_run(self, folder):
         args = [a for a in doc_serve_args() if not a.endswith(".gguf")]
-        s = Server(str(folder), *args)
+        # the examples name the default model, which the tiny folder stands in for
+        s = Server(str(folder), *args, "--served-model-name", "SmolLM2-135M-Instruct")
         try:
             outputs = run_doc_examples(s)
             assert all(out.strip() for out in outputs)

