@@ -5,7 +5,7 @@ Routes::
     POST /v1/chat/completions   chat, streamed (SSE) or whole
     POST /v1/completions        plain prompts (text or token ids)
     GET  /v1/models             the one model served
-    GET  /v1/models/{id}        that model, or 404 ``model_not_found``
+    GET  /v1/models/{model}     that model, or 404 ``model_not_found``
     POST /tokenize              text or messages -> token ids (llama.cpp's and vLLM's shapes)
     POST /detokenize            token ids -> text
     GET  /health                200 while the engine thread runs, else 503
@@ -380,7 +380,7 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/v1/models/{model:path}", server.model, methods=["GET"]),
+        Route("/v1/models/{model}", server.model, methods=["GET"]),
         Route("/tokenize", server.tokenize, methods=["POST"]),
         Route("/detokenize", server.detokenize, methods=["POST"]),
         Route("/health", server.health, methods=["GET"]),
