@@ -199,6 +199,11 @@ class TestFlags:
         labels = dict(next(iter(info.values())))
         assert labels["block_size"] == "16" and labels["cache_dtype"] == "int8"
         assert labels["num_gpu_blocks"] == str(expected_pages)
+        model = frozenset({("model_name", SERVED)})
+        for name in ("vllm:num_requests_waiting", "vllm:num_requests_running"):
+            assert metrics[name, model] == 0.0
+        used = metrics["pagedkv_pages_used", frozenset()]
+        assert metrics["vllm:kv_cache_usage_perc", model] == used / expected_pages
 
     def test_served_name_and_models_routes(self, flagged):
         server = flagged[0]
@@ -287,3 +292,28 @@ class TestFlags:
         assert f"prompt_tokens={usage['prompt_tokens']} " \
                f"completion_tokens={usage['completion_tokens']}" in access[-1]
         assert re.search(r"GET /v1/models 200 \d+\.\d ms", log)
+
+
+def test_gguf_import_options(tmp_path, monkeypatch):
+    """--weights, --accuracy-level and --max-context reach the import: the
+    served context is --max-context and the imported folder records them."""
+    from test_gguf_import import write_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    server = Server(str(path), "--weights", "q4", "--accuracy-level", "4", "--max-context",
+                    "48", "--num-pages", "16")
+    try:
+        with server.http() as http:
+            card = http.get("/v1/models").json()["data"][0]
+            assert card["id"] == "tiny" and card["max_model_len"] == 48
+            r = http.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+    finally:
+        assert server.stop() == 0
+    configs = list((tmp_path / "cache").rglob("config.json"))
+    assert len(configs) == 1
+    recorded = json.loads(configs[0].read_text())["pagedkv_np"]
+    assert recorded["weights"] == "q4" and recorded["accuracy_level"] == 4
+    assert recorded["max_context"] == 48
