@@ -317,3 +317,14 @@ def test_gguf_import_options(tmp_path, monkeypatch):
     recorded = json.loads(configs[0].read_text())["pagedkv_np"]
     assert recorded["weights"] == "q4" and recorded["accuracy_level"] == 4
     assert recorded["max_context"] == 48
+
+
+def test_kv_dtype_other_than_the_models_exits_2(tmp_path):
+    folder = tmp_path / "tiny-chat"
+    build_folder(folder)
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", str(folder),
+                           "--port", str(free_port()), "--kv-dtype", "float16"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "--kv-dtype float16: the model's K/V are float32" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

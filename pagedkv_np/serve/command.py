@@ -272,9 +272,10 @@ def load_decoder(args: Any) -> Any:
         The model or an option the model decides (its K/V dtype) is wrong.
     """
     from ..onnxruntime import OrtDecoder
-    from .pool_size import page_bytes, pages_for_bytes, parse_bytes
+    from .pool_size import check_kv_dtype, page_bytes, pages_for_bytes, parse_bytes
 
     folder = _folder(args)
+    check_kv_dtype(folder.model_path, args.kv_dtype)
     num_pages = args.num_pages or _DEFAULT_NUM_PAGES
     if args.kv_cache_memory is not None:
         per_page = page_bytes(folder.model_path, args.page_size, args.kv_dtype,

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..errors import ConfigError
 
-__all__ = ["parse_bytes", "page_bytes", "pages_for_bytes"]
+__all__ = ["parse_bytes", "page_bytes", "pages_for_bytes", "check_kv_dtype"]
 
 _UNITS = {"": 1, "B": 1, "K": 10 ** 3, "KB": 10 ** 3, "M": 10 ** 6, "MB": 10 ** 6,
           "G": 10 ** 9, "GB": 10 ** 9, "T": 10 ** 12, "TB": 10 ** 12, "KIB": 2 ** 10,
@@ -63,6 +63,32 @@ def _geometry(model_path: str, num_kv_heads: int | None,
         raise ConfigError("cannot size the pool by bytes: the graph leaves the K/V heads or "
                           "head size symbolic; give --num-pages")
     return len(keys), int(heads), int(width), helper.tensor_dtype_to_np_dtype(first.elem_type)
+
+
+def check_kv_dtype(model_path: str, kv_dtype: str | None) -> None:
+    """Refuse a float ``kv_dtype`` other than the model's K/V dtype (read off
+    the graph, before its weights load): pages hold the model's dtype or int8.
+
+    Raises
+    ------
+    ConfigError
+        The dtypes differ.
+    """
+    import numpy as np
+
+    if kv_dtype is None or kv_dtype == "int8":
+        return
+    import onnx
+    from onnx import helper
+
+    graph = onnx.load(model_path, load_external_data=False).graph
+    keys = [i for i in graph.input if _PAST_KEY.match(i.name)]
+    if not keys:
+        return   # the engine reports a graph without past inputs
+    model = np.dtype(helper.tensor_dtype_to_np_dtype(keys[0].type.tensor_type.elem_type))
+    if model.name != kv_dtype:
+        raise ConfigError(f"--kv-dtype {kv_dtype}: the model's K/V are {model.name}, so "
+                          f"pages hold {model.name} or int8")
 
 
 def page_bytes(model_path: str, page_size: int, kv_dtype: Any = None,
