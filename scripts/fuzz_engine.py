@@ -48,7 +48,8 @@ import onnxruntime as ort  # noqa: E402
 
 from pagedkv_np import available_backends  # noqa: E402
 from pagedkv_np.errors import ConfigError, RequestFailed  # noqa: E402
-from pagedkv_np.onnxruntime import OrtDecoder, batching  # noqa: E402
+from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
+from pagedkv_np.onnxruntime.requests import Request  # noqa: E402
 from pagedkv_np.onnxruntime.sampling import SamplingParams, sample  # noqa: E402
 from pagedkv_np.models.testmodel import DecoderConfig, build_model  # noqa: E402
 
@@ -119,7 +120,7 @@ class Injector:
         self.num_interrupts = 0
         self.points = set(rng.choice(POINTS, size=rng.integers(1, len(POINTS) + 1),
                                      replace=False).tolist())
-        self._real_sample = batching.sample
+        self._real_choose = Request.choose
 
     def _maybe_fail(self, name: str) -> None:
         if self.armed and self.rng.random() < self.rate:
@@ -146,15 +147,15 @@ class Injector:
             if point in self.points:
                 self._wrap(dec.cache, point)
         if "sampling" in self.points:
-            real = self._real_sample
+            real = self._real_choose
 
             def flaky(*args):
                 self._maybe_fail("sample")
                 return real(*args)
-            batching.sample = flaky   # type: ignore[assignment]
+            Request.choose = flaky   # type: ignore[method-assign]
 
     def uninstall(self) -> None:
-        batching.sample = self._real_sample   # type: ignore[assignment]
+        Request.choose = self._real_choose   # type: ignore[method-assign]
 
 
 class Totals:

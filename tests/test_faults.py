@@ -19,14 +19,14 @@ import pagedkv_np as pk
 from pagedkv_np.errors import (AllocationError, ConfigError, DTypeError, PagedKVError,
                                RequestFailed)
 from pagedkv_np.onnxruntime import OrtDecoder, RequestNotFound, UnsupportedModelError
-from pagedkv_np.onnxruntime import batching
-from pagedkv_np.onnxruntime.requests import RequestStatus, StepEvents
+from pagedkv_np.onnxruntime.requests import Request, RequestStatus, StepEvents
 from pagedkv_np.onnxruntime.sampling import SamplingParams, sample
 from pagedkv_np.models.testmodel import DecoderConfig, build_model
 
 from helpers import CACHE_BACKENDS, deep_state
 
 FAMILIES = ["optimum", "gqa"]
+CHOOSE = Request.choose
 PAGE = 4
 _rng = np.random.default_rng(17)
 SYSTEM = _rng.integers(1, 256, 9).tolist()
@@ -381,7 +381,7 @@ def _targets(dec: OrtDecoder, point: str) -> list[tuple[object, str]]:
         names = ["run"] + (["run_with_iobinding"] if dec.io.family == "gqa" else [])
         return [(dec.session, n) for n in names]
     if point == "sampling":
-        return [(batching, "sample")]
+        return [(Request, "choose")]
     return [(dec.cache, point)]
 
 
@@ -640,4 +640,4 @@ def test_the_engine_fuzz_script_runs_clean(capsys):
     assert fuzz.main(["--seconds", "2", "--seed", "7"]) == 0
     summary = capsys.readouterr().out
     assert "fuzz_engine: " in summary and " 0 wrong tokens, 0 leftover pages" in summary
-    assert batching.sample is sample          # the sampler is restored
+    assert Request.choose is CHOOSE           # the sampler is restored
