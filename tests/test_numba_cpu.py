@@ -355,7 +355,7 @@ CACHE_PROBE = """
     with warnings.catch_warnings(record=True) as caught:
         import numpy as np
         import pagedkv_np as pk
-        from pagedkv_np import _jit
+        from pagedkv_np.backends import jit as _jit
         be = pk.get_backend("numba")
         st = pk.KVStore(1, 4, 2, 8, num_pages=4, backend=be)
         be.copy_pages(st.k, st.v, np.array([0], np.int32), np.array([1], np.int32))
