@@ -203,7 +203,7 @@ class _Server:
         queue: asyncio.Queue[Update] = asyncio.Queue()
         emit = functools.partial(self.mailbox.post, queue)
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                    "seed": req.seed}
+                    "seed": req.seed, **req.options}
         job = Job(ids, max_tokens, self.prompts.text_stream(req), emit, sampling=sampling,
                   salt=self.salt(tenant, req), arrival=arrival)
         try:
@@ -237,7 +237,9 @@ class _Server:
         req = parse_chat(data) if kind == "chat" else parse_completion(data)
         self.check_model(req.model)
         ids = self.prompts.prompt_ids(req)
-        return req, ids, self.prompts.max_tokens(req, int(ids.shape[0]))
+        max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
+        self.prompts.check_options(req, max_tokens)
+        return req, ids, max_tokens
 
     def log_unknown(self, data: dict) -> None:
         """Log each unknown field name once (the first few hundred names)."""

@@ -90,7 +90,8 @@ class Job:
     emit : callable
         ``emit(update)``, called from the engine thread; must not block.
     sampling : dict
-        ``temperature``, ``top_p``, ``top_k``, ``seed`` for ``add_request``.
+        ``temperature``, ``top_p``, ``top_k``, ``seed`` and the further options
+        (penalties, ``logit_bias``...) for ``add_request``.
     salt : str, optional
     arrival : float
         ``time.perf_counter()`` when the request arrived (for TTFT).

@@ -269,6 +269,28 @@ class PromptBuilder:
                 code="context_length_exceeded") from None
         return wanted
 
+    def check_options(self, req: GenerationRequest, max_tokens: int) -> None:
+        """Check the request's engine options against the model: token ids of
+        ``logit_bias`` and ``stop_token_ids`` in the vocabulary, ``min_tokens``
+        within the token budget.
+
+        Raises
+        ------
+        APIError
+            400 naming the field.
+        """
+        for name in ("logit_bias", "stop_token_ids"):
+            ids = req.options.get(name)
+            if ids and max(ids) >= self.vocab_size:
+                raise APIError(f"Invalid value for '{name}': token id {max(ids)} is outside "
+                               f"the vocabulary [0, {self.vocab_size})", param=name,
+                               code="invalid_value")
+        min_tokens = req.options.get("min_tokens", 0)
+        if min_tokens > max_tokens:
+            raise APIError(f"Invalid value for 'min_tokens': {min_tokens} is more than the "
+                           f"request's {max_tokens} max_tokens", param="min_tokens",
+                           code="invalid_value")
+
     def text_stream(self, req: GenerationRequest) -> TextStream:
         """A fresh detokenizer with the request's stop strings."""
         return TextStream(self.codec, stop=list(req.stop) or None,

@@ -10,7 +10,7 @@ field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``n > 1``, logprobs, penalties, tools) is a 400
+server does not implement (``n > 1``, logprobs, tools) is a 400
 too, rather than silently different output. A body nested too deeply for
 the JSON parser is a 400 as well.
 """
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PagedKVError
@@ -40,7 +40,11 @@ KNOWN_FIELDS = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature",
     "top_p", "top_k", "seed", "stop", "stream", "stream_options", "cache_salt", "user", "n",
     "best_of", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo",
-    "suffix", "logit_bias", "tools", "response_format"})
+    "suffix", "logit_bias", "tools", "response_format", "repetition_penalty", "min_p",
+    "stop_token_ids", "ignore_eos", "min_tokens"})
+#: most entries of ``logit_bias`` and of ``stop_token_ids``
+MAX_LOGIT_BIAS = 1024
+MAX_STOP_TOKEN_IDS = 64
 
 
 def unknown_fields(body: dict) -> list[str]:
@@ -100,6 +104,10 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     cache_salt: str | None
+    #: the engine's further options for ``add_request`` (penalties, ``min_p``,
+    #: ``logit_bias`` as {token id: bias}, ``stop_token_ids``, ``ignore_eos``,
+    #: ``min_tokens``), only those the request set
+    options: dict = field(default_factory=dict)
 
 
 def parse_json(body: bytes) -> dict:
@@ -221,9 +229,6 @@ def _check_unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise _unsupported(name, "only 0 is accepted")
     logprobs = body.get("logprobs")
     if logprobs not in (None, False, 0):
         raise _unsupported("logprobs", "no log probabilities are returned")
@@ -233,13 +238,89 @@ def _check_unsupported(body: dict) -> None:
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "no insertion mode")
-    if body.get("logit_bias") not in (None, {}):
-        raise _unsupported("logit_bias", "no logit biases")
     if body.get("tools") not in (None, []):
         raise _unsupported("tools", "no tool calls")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise _unsupported("response_format", "only {\"type\": \"text\"}")
+
+
+def _ranged(body: dict, name: str, lo: float, hi: float, options: dict,
+            lo_open: bool = False) -> None:
+    """Put ``body[name]`` in ``options`` when it is given, checked to lie in
+    ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``)."""
+    if body.get(name) is None:
+        return
+    value = _number(body, name, 0.0)
+    if value > hi or value < lo or (lo_open and value == lo):
+        left = "<" if lo_open else "<="
+        raise _value_error(name, f"expected {lo:g} {left} {name} <= {hi:g}, got {value:g}")
+    options[name] = value
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias``: token ids as decimal strings -> bias in [-100, 100]."""
+    value = body.get("logit_bias")
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _value_error("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    bias: dict[int, float] = {}
+    for key, item in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10):
+            raise _value_error("logit_bias", f"keys must be token ids as decimal strings, "
+                                             f"got {key[:32]!r}")
+        number = _number({"logit_bias": item}, "logit_bias", 0.0)
+        if not -100.0 <= number <= 100.0:
+            raise _value_error("logit_bias", f"biases must be in [-100, 100], got {number:g} "
+                                             f"for token {key}")
+        bias[int(key)] = number
+    return bias
+
+
+def _stop_token_ids(body: dict) -> tuple[int, ...] | None:
+    value = body.get("stop_token_ids")
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
+        raise _type_error("stop_token_ids", "an array of token ids", value)
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise _value_error("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} token ids, got "
+                                             f"{len(value)}")
+    if value and (min(value) < 0 or max(value) >= 2 ** 31):
+        bad = min(value) if min(value) < 0 else max(value)
+        raise _value_error("stop_token_ids", f"token ids must be in [0, 2**31), got {bad}")
+    return tuple(int(t) for t in value)
+
+
+def _engine_options(body: dict) -> dict:
+    """The engine options a request sets (see ``GenerationRequest.options``)."""
+    options: dict = {}
+    _ranged(body, "presence_penalty", -2.0, 2.0, options)
+    _ranged(body, "frequency_penalty", -2.0, 2.0, options)
+    _ranged(body, "min_p", 0.0, 1.0, options)
+    if body.get("repetition_penalty") is not None:
+        value = _number(body, "repetition_penalty", 1.0)
+        if not 0.0 < value <= 100.0:
+            raise _value_error("repetition_penalty",
+                               f"expected 0 < repetition_penalty <= 100, got {value:g}")
+        options["repetition_penalty"] = value
+    bias = _logit_bias(body)
+    if bias:
+        options["logit_bias"] = bias
+    stop_ids = _stop_token_ids(body)
+    if stop_ids:
+        options["stop_token_ids"] = stop_ids
+    if _bool(body, "ignore_eos", False):
+        options["ignore_eos"] = True
+    min_tokens = _int(body, "min_tokens", None)
+    if min_tokens is not None:
+        if min_tokens < 0:
+            raise _value_error("min_tokens", f"expected an integer >= 0, got {min_tokens}")
+        options["min_tokens"] = min_tokens
+    return options
 
 
 def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
@@ -279,7 +360,7 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
                              prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
-                             cache_salt=salt)
+                             cache_salt=salt, options=_engine_options(body))
 
 
 def _message(i: int, msg: Any) -> dict:
