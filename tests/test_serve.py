@@ -525,7 +525,6 @@ class TestErrors:
 
     @pytest.mark.parametrize("route, extra, param", [
         ("/v1/chat/completions", {"n": 3}, "n"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"tools": [{"type": "function",
                                              "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}},

@@ -91,3 +91,74 @@ def test_bad_values_are_400_naming_the_field(server, field, value):
                              {"messages": [{"role": "user", "content": "hi"}]})):
             body = dict(body, max_tokens=8, **{field: value})
             assert_error(http.post(route, json=body), 400, param=field)
+
+
+def engine_logprobs(dec: OrtDecoder, ids, k: int, max_tokens: int = NEW) -> tuple[list, list]:
+    """(tokens, TokenLogprob entries) of a greedy request run alone in-process."""
+    rid = dec.add_request(ids, max_tokens, logprobs=k)
+    while dec.has_unfinished_requests():
+        dec.step()
+    entries = dec.get_logprobs(rid)
+    return list(dec.pop_output(rid)), entries
+
+
+def piece(dec: OrtDecoder, token_id: int) -> str:
+    return dec.text.decode([token_id], skip_special_tokens=False)
+
+
+def test_chat_logprobs_equal_the_engines(server, dec):
+    messages = [{"role": "user", "content": "Hello world"}]
+    tokens, entries = engine_logprobs(dec, dec.text.encode_chat(messages), 3)
+    client = server.client()
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                         temperature=0, logprobs=True, top_logprobs=3)
+    content = got.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [e.logprob for e in entries]
+    assert [c.token for c in content] == [piece(dec, t) for t in tokens]
+    for c, e in zip(content, entries):
+        assert c.bytes == list(c.token.encode("utf-8"))
+        assert [(a.token, a.logprob) for a in c.top_logprobs] == \
+            [(piece(dec, t), lp) for t, lp in e.top]
+        assert len(c.top_logprobs) == 3
+    # streamed: each chunk carries its own tokens' entries, together the same
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                            temperature=0, logprobs=True, top_logprobs=3,
+                                            stream=True)
+    chunks = [c for c in stream if c.choices and c.choices[0].logprobs is not None]
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.content]
+    assert [x.model_dump() for x in streamed] == [x.model_dump() for x in content]
+    # logprobs false: none
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_legacy_shape(server, dec):
+    tokens, entries = engine_logprobs(dec, dec.text.encode(PROMPT), 2)
+    client = server.client()
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    logprobs=2)
+    lp = got.choices[0].logprobs
+    assert lp.token_logprobs == [e.logprob for e in entries]
+    assert lp.tokens == [piece(dec, t) for t in tokens]
+    assert lp.top_logprobs == [{piece(dec, t): v for t, v in e.top} for e in entries]
+    assert lp.text_offset == [sum(len(x) for x in lp.tokens[:i]) for i in range(len(tokens))]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                       temperature=0, logprobs=2, stream=True)
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert [x for p in parts for x in p.token_logprobs] == lp.token_logprobs
+    assert [x for p in parts for x in p.text_offset] == lp.text_offset
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": "2"}, "logprobs"),
+])
+def test_bad_logprobs_are_400(server, route, body, param):
+    base = ({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route
+            else {"prompt": PROMPT})
+    with server.http() as http:
+        assert_error(http.post(route, json=dict(base, max_tokens=4, **body)), 400, param=param)

@@ -59,12 +59,14 @@ from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
 from .http_errors import (EXCEPTION_HANDLERS, USAGE_KEY, Metered, api_error, error_response,
                           shutdown_error)
 from .limits import BodyLimits, ServerLimits, http_protocol
+from .logprobs import LogprobWriter
 from .mailbox import Mailbox
 from .metrics import CONTENT_TYPE
 from .prompts import PromptBuilder
-from .protocol import (SSE_DONE, APIError, GenerationRequest, chat_chunk, chat_response,
-                       completion_chunk, completion_response, parse_chat, parse_completion,
-                       parse_json, sse, unknown_fields, usage_chunk, usage_json)
+from .protocol import (APIError, GenerationRequest, parse_chat, parse_completion, parse_json,
+                       unknown_fields)
+from .responses import (SSE_DONE, chat_chunk, chat_response, completion_response, sse,
+                        update_events, usage_json)
 from .tokenize import Tokenizing
 
 if TYPE_CHECKING:
@@ -257,6 +259,8 @@ class _Server:
                     response_id: str, created: int, model: str,
                     note: dict | None = None) -> Response:
         parts: list[str] = []
+        writer = self.logprob_writer(req)
+        logprobs: list[dict] = []
         gone = asyncio.ensure_future(_disconnected(request))
         try:
             while True:
@@ -268,6 +272,8 @@ class _Server:
                     return Response(status_code=499)   # nobody reads it
                 update: Update = get.result()
                 parts.append(update.text)
+                if writer is not None and update.logprobs:
+                    logprobs.append(writer.format(update.logprobs))
                 if update.finish_reason is not None:
                     break
         finally:
@@ -280,13 +286,22 @@ class _Server:
         usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
                            update.num_cached_tokens)
         build = chat_response if req.kind == "chat" else completion_response
+        joined = LogprobWriter.join(logprobs) if writer is not None else None
+        if writer is not None and joined is None:
+            joined = writer.format(())
         return JSONResponse(build(response_id, created, model, "".join(parts),
-                                  update.finish_reason, usage))
+                                  update.finish_reason, usage, joined))
+
+    def logprob_writer(self, req: GenerationRequest) -> LogprobWriter | None:
+        if req.options.get("logprobs") is None:
+            return None
+        return LogprobWriter(self.prompts.codec, req.kind)
 
     async def stream(self, job: Job, queue: asyncio.Queue, req: GenerationRequest,
                      response_id: str, created: int, model: str,
                      note: dict | None = None) -> AsyncIterator[bytes]:
         finished = False
+        writer = self.logprob_writer(req)
         try:
             if req.kind == "chat":
                 yield sse(chat_chunk(response_id, created, model,
@@ -298,7 +313,7 @@ class _Server:
                     updates.append(queue.get_nowait())
                 out: list[bytes] = []
                 for update in updates:
-                    out.extend(_events(update, req, response_id, created, model))
+                    out.extend(update_events(update, req, response_id, created, model, writer))
                     finished = update.finish_reason is not None
                     if finished:
                         if note is not None:
@@ -309,29 +324,6 @@ class _Server:
         finally:
             if not finished:   # the client went away (or the server is cancelling us)
                 self.engine.cancel(job)
-
-
-def _events(update: Update, req: GenerationRequest, response_id: str, created: int,
-            model: str) -> list[bytes]:
-    """The server-sent events of one update."""
-    chat = req.kind == "chat"
-    if update.finish_reason in ("error", "abort"):
-        err = api_error(update.error) if update.error is not None else shutdown_error()
-        return [sse(err.to_json())]
-    out = []
-    if update.text:
-        out.append(sse(chat_chunk(response_id, created, model, {"content": update.text})
-                       if chat else completion_chunk(response_id, created, model,
-                                                     update.text)))
-    reason = update.finish_reason
-    if reason is not None:
-        out.append(sse(chat_chunk(response_id, created, model, {}, reason) if chat
-                       else completion_chunk(response_id, created, model, "", reason)))
-        if req.include_usage:
-            usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
-                               update.num_cached_tokens)
-            out.append(sse(usage_chunk(req.kind, response_id, created, model, usage)))
-    return out
 
 
 async def _disconnected(request: Request) -> None:

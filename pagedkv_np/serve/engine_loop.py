@@ -77,6 +77,8 @@ class Update:
     num_cached_tokens: int = 0
     num_completion_tokens: int = 0
     error: BaseException | None = None
+    #: ``TokenLogprob`` of this update's tokens, for a job that asked for them
+    logprobs: tuple = ()
 
 
 class Job:
@@ -332,14 +334,16 @@ class EngineLoop:
             job.num_generated += len(tokens)
             metrics.generation_tokens.inc(len(tokens))
             delta = job.stream.push(list(tokens))
+            entries = tuple(events.logprobs.get(rid, ()))
             if job.stream.stopped or rid in finished:
                 reason = ("stop" if job.stream.stopped
                           else self._reason(events.statuses[rid].finish_reason))
                 counts = self._counts(job)
                 self._forget(rid)
-                self._finish(job, Update(delta + job.stream.finish(), reason, *counts))
-            elif delta:
-                job.emit(Update(delta))
+                self._finish(job, Update(delta + job.stream.finish(), reason, *counts,
+                                         logprobs=entries))
+            elif delta or entries:
+                job.emit(Update(delta, logprobs=entries))
         # requests that ended in this step without a new token
         for rid in finished:
             ended = self._active.get(rid)

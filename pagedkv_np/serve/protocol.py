@@ -1,16 +1,16 @@
-"""The OpenAI wire format: request checking, response and chunk shapes, errors.
+"""The OpenAI wire format: request checking and errors.
 
 Nothing here touches the engine: :func:`parse_chat` and :func:`parse_completion`
 turn a decoded JSON body into a :class:`GenerationRequest` or raise
-:class:`APIError`; the ``*_response`` and ``*_chunk`` functions build the JSON
-objects that go back. Unknown fields are ignored (clients send many), as
+:class:`APIError`; :mod:`~pagedkv_np.serve.responses` builds the JSON objects
+that go back. Unknown fields are ignored (clients send many), as
 OpenAI does; :func:`unknown_fields` names them (the server logs each name
 once); a field this module reads belongs in :data:`KNOWN_FIELDS`. A known
 field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``n > 1``, logprobs, tools) is a 400
+server does not implement (``n > 1``, tools) is a 400
 too, rather than silently different output. A body nested too deeply for
 the JSON parser is a 400 as well.
 """
@@ -27,8 +27,7 @@ from ..errors import PagedKVError
 from ..checks import is_int
 
 __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
-           "usage_json", "chat_response", "completion_response", "chat_chunk",
-           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "MAX_STOP_STRINGS",
+           "MAX_STOP_STRINGS", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_LOGPROBS",
            "KNOWN_FIELDS", "unknown_fields"]
 
 #: most stop strings a request may give
@@ -45,6 +44,8 @@ KNOWN_FIELDS = frozenset({
 #: most entries of ``logit_bias`` and of ``stop_token_ids``
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
+#: most alternatives per token (``top_logprobs``, completions' ``logprobs``)
+MAX_LOGPROBS = 20
 
 
 def unknown_fields(body: dict) -> list[str]:
@@ -106,7 +107,8 @@ class GenerationRequest:
     cache_salt: str | None
     #: the engine's further options for ``add_request`` (penalties, ``min_p``,
     #: ``logit_bias`` as {token id: bias}, ``stop_token_ids``, ``ignore_eos``,
-    #: ``min_tokens``), only those the request set
+    #: ``min_tokens``, ``logprobs``: alternatives per token), only those the
+    #: request set
     options: dict = field(default_factory=dict)
 
 
@@ -229,11 +231,6 @@ def _check_unsupported(body: dict) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
-    logprobs = body.get("logprobs")
-    if logprobs not in (None, False, 0):
-        raise _unsupported("logprobs", "no log probabilities are returned")
-    if body.get("top_logprobs") not in (None, 0):
-        raise _unsupported("top_logprobs", "no log probabilities are returned")
     if _bool(body, "echo", False):
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("suffix") not in (None, ""):
@@ -295,9 +292,31 @@ def _stop_token_ids(body: dict) -> tuple[int, ...] | None:
     return tuple(int(t) for t in value)
 
 
-def _engine_options(body: dict) -> dict:
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Alternatives per token: chat's ``logprobs: true`` with ``top_logprobs``,
+    completions' ``logprobs: k``; None when not asked for."""
+    if kind == "chat":
+        wanted = _bool(body, "logprobs", False)
+        top = _int(body, "top_logprobs", None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise _value_error("top_logprobs", f"expected 0 to {MAX_LOGPROBS}, got {top}")
+        if top and not wanted:
+            raise _value_error("top_logprobs", "needs logprobs: true")
+        return (top or 0) if wanted else None
+    if isinstance(body.get("logprobs"), bool):
+        raise _type_error("logprobs", "an integer", body["logprobs"])
+    top = _int(body, "logprobs", None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise _value_error("logprobs", f"expected 0 to {MAX_LOGPROBS}, got {top}")
+    return top
+
+
+def _engine_options(body: dict, kind: str) -> dict:
     """The engine options a request sets (see ``GenerationRequest.options``)."""
     options: dict = {}
+    logprobs = _logprobs(body, kind)
+    if logprobs is not None:
+        options["logprobs"] = logprobs
     _ranged(body, "presence_penalty", -2.0, 2.0, options)
     _ranged(body, "frequency_penalty", -2.0, 2.0, options)
     _ranged(body, "min_p", 0.0, 1.0, options)
@@ -360,7 +379,7 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
                              prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
-                             cache_salt=salt, options=_engine_options(body))
+                             cache_salt=salt, options=_engine_options(body, kind))
 
 
 def _message(i: int, msg: Any) -> dict:
@@ -427,57 +446,3 @@ def parse_completion(body: dict) -> GenerationRequest:
         bad = min(prompt) if min(prompt) < 0 else max(prompt)
         raise _value_error("prompt", f"token ids must be in [0, 2**31), got {bad}")
     return _common(body, "completion", None, tuple(int(t) for t in prompt))
-
-
-def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
-               num_cached_tokens: int) -> dict:
-    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
-            "total_tokens": num_prompt_tokens + num_completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
-
-
-def chat_response(response_id: str, created: int, model: str, text: str,
-                  finish_reason: str, usage: dict) -> dict:
-    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason}],
-            "usage": usage}
-
-
-def completion_response(response_id: str, created: int, model: str, text: str,
-                        finish_reason: str, usage: dict) -> dict:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": usage}
-
-
-def chat_chunk(response_id: str, created: int, model: str, delta: dict,
-               finish_reason: str | None = None) -> dict:
-    """A ``chat.completion.chunk``; ``delta`` is ``{"role": ...}``,
-    ``{"content": ...}`` or ``{}`` (with the finish reason)."""
-    return {"id": response_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                         "finish_reason": finish_reason}]}
-
-
-def completion_chunk(response_id: str, created: int, model: str, text: str,
-                     finish_reason: str | None = None) -> dict:
-    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-def usage_chunk(kind: str, response_id: str, created: int, model: str, usage: dict) -> dict:
-    """The last chunk of a stream asked for with ``stream_options.include_usage``."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    return {"id": response_id, "object": obj, "created": created, "model": model,
-            "choices": [], "usage": usage}
-
-
-def sse(obj: dict) -> bytes:
-    """One server-sent event carrying a JSON object."""
-    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"

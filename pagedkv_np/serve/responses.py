@@ -1,0 +1,101 @@
+"""The OpenAI response and chunk shapes: whole responses, server-sent
+events, usage.
+
+The ``*_response`` functions build a whole answer, the ``*_chunk`` functions
+one streamed event's object, :func:`update_events` the events of one engine
+:class:`~pagedkv_np.serve.engine_loop.Update` (its text, the logprobs of its
+tokens, its finish and usage).
+"""
+
+from __future__ import annotations
+
+import json
+
+from .engine_loop import Update
+from .http_errors import api_error, shutdown_error
+from .logprobs import LogprobWriter
+from .protocol import GenerationRequest
+
+__all__ = ["usage_json", "chat_response", "completion_response", "chat_chunk",
+           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "update_events"]
+
+
+def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
+               num_cached_tokens: int) -> dict:
+    return {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
+
+
+def chat_response(response_id: str, created: int, model: str, text: str,
+                  finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+    return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def completion_response(response_id: str, created: int, model: str, text: str,
+                        finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}],
+            "usage": usage}
+
+
+def chat_chunk(response_id: str, created: int, model: str, delta: dict,
+               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    """A ``chat.completion.chunk``; ``delta`` is ``{"role": ...}``,
+    ``{"content": ...}`` or ``{}`` (with the finish reason)."""
+    return {"id": response_id, "object": "chat.completion.chunk", "created": created,
+            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish_reason}]}
+
+
+def completion_chunk(response_id: str, created: int, model: str, text: str,
+                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+    return {"id": response_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+                         "finish_reason": finish_reason}]}
+
+
+def usage_chunk(kind: str, response_id: str, created: int, model: str, usage: dict) -> dict:
+    """The last chunk of a stream asked for with ``stream_options.include_usage``."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model,
+            "choices": [], "usage": usage}
+
+
+def sse(obj: dict) -> bytes:
+    """One server-sent event carrying a JSON object."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode("utf-8") + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def update_events(update: Update, req: GenerationRequest, response_id: str, created: int,
+            model: str, writer: LogprobWriter | None = None) -> list[bytes]:
+    """The server-sent events of one update (its tokens' logprobs ride on
+    its text chunk, with ``writer``)."""
+    chat = req.kind == "chat"
+    if update.finish_reason in ("error", "abort"):
+        err = api_error(update.error) if update.error is not None else shutdown_error()
+        return [sse(err.to_json())]
+    out = []
+    logprobs = (writer.format(update.logprobs)
+                if writer is not None and update.logprobs else None)
+    if update.text or logprobs is not None:
+        out.append(sse(chat_chunk(response_id, created, model, {"content": update.text},
+                                  logprobs=logprobs)
+                       if chat else completion_chunk(response_id, created, model,
+                                                     update.text, logprobs=logprobs)))
+    reason = update.finish_reason
+    if reason is not None:
+        out.append(sse(chat_chunk(response_id, created, model, {}, reason) if chat
+                       else completion_chunk(response_id, created, model, "", reason)))
+        if req.include_usage:
+            usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
+                               update.num_cached_tokens)
+            out.append(sse(usage_chunk(req.kind, response_id, created, model, usage)))
+    return out
