@@ -36,7 +36,7 @@ def test_help_has_no_markup(name):
     assert not MARKUP.search(text), MARKUP.search(text)
 
 
-@pytest.mark.parametrize("name", ["pagedkv", "demo", "bench"])
+@pytest.mark.parametrize("name", ["pagedkv", "demo", "bench", "serve"])
 def test_every_option_says_what_it_does_and_its_default(name):
     for action in parsers()[name]._actions:
         if isinstance(action, (argparse._HelpAction, argparse._VersionAction,
@@ -72,12 +72,14 @@ def test_help_imports_nothing_heavy():
     # NumPy, ml_dtypes and Numba take seconds to import on a small machine
     code = ("import sys\n"
             "from pagedkv_np import cli\n"
-            "for args in (['--help'], ['demo', '--help'], ['bench', '--help']):\n"
+            "for args in (['--help'], ['demo', '--help'], ['bench', '--help'],\n"
+            "             ['serve', '--help']):\n"
             "    try:\n"
             "        cli.main(args)\n"
             "    except SystemExit as exc:\n"
             "        assert exc.code == 0, exc.code\n"
-            "heavy = sorted(m for m in ('numpy', 'numba', 'ml_dtypes', 'onnxruntime')\n"
+            "heavy = sorted(m for m in ('numpy', 'numba', 'ml_dtypes', 'onnxruntime',\n"
+            "                           'starlette', 'uvicorn', 'tokenizers')\n"
             "               if m in sys.modules)\n"
             "print('HEAVY', heavy)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -10,10 +10,25 @@ wire format is in :mod:`~pagedkv_np.serve.protocol`, the metrics in
 Needs the ``serve`` extra: ``pip install 'pagedkv-np[serve]'``.
 """
 
-from .app import create_app, run_server
-from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
-from .metrics import ServerMetrics
-from .protocol import APIError, GenerationRequest
-
 __all__ = ["create_app", "run_server", "EngineLoop", "EngineStopped", "Job", "QueueFull",
            "Update", "ServerMetrics", "APIError", "GenerationRequest"]
+
+# Names load on first use, so that ``pagedkv serve --help`` (which imports
+# only :mod:`.command`) answers without importing the ASGI stack or NumPy.
+_EXPORTS = {"create_app": "app", "run_server": "app", "EngineLoop": "engine_loop",
+            "EngineStopped": "engine_loop", "Job": "engine_loop", "QueueFull": "engine_loop",
+            "Update": "engine_loop", "ServerMetrics": "metrics", "APIError": "protocol",
+            "GenerationRequest": "protocol"}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

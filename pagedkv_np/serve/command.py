@@ -54,7 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                    help="size the pool by bytes instead of --num-pages: 2GiB, 512MB, 4096 "
                         "(pages = SIZE // bytes per page of the model's layers, K/V heads, "
-                        "head size and --kv-dtype)")
+                        "head size and --kv-dtype; default: --num-pages)")
     p.add_argument("--kv-dtype", default=None, choices=_KV_DTYPES,
                    help="dtype of the pages (default: the model's K/V dtype); int8 holds "
                         "about 3.5x the tokens of float32")
@@ -62,13 +62,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="most tokens (prompt + generated) one request may hold (default: "
                         "the model's context)")
     p.add_argument("--disk-cache", default=None, metavar="DIR",
-                   help="keep evicted prefix pages in this directory (a tier below RAM)")
+                   help="keep evicted prefix pages in this directory (a tier below RAM; "
+                        "default: none)")
     p.add_argument("--disk-cache-size", default=None, metavar="SIZE",
                    help="most bytes the disk tier holds, e.g. 20GiB (default 4GiB)")
     p.add_argument("--redis-url", default=None, metavar="URL",
                    help="share prefix pages through a Redis/Valkey server "
                         "(redis://, rediss:// or unix://); replicas must share "
-                        f"${HASH_SECRET_ENV}")
+                        f"${HASH_SECRET_ENV} (default: none)")
     p.add_argument("--weights", default=None, choices=["q4", "float32", "float16"],
                    help="GGUF import: how the weights are converted (default q4)")
     p.add_argument("--accuracy-level", type=int, default=None, choices=[0, 4],
@@ -77,7 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=None,
                    help="GGUF import: positions the graph serves (default 8192)")
     p.add_argument("--access-log", action="store_true",
-                   help="log one line per request (method, path, status, ms, tokens)")
+                   help="log one line per request (method, path, status, ms, tokens; "
+                        "default: off)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="most requests decoded together (default 8)")
@@ -86,12 +88,13 @@ def _parser() -> argparse.ArgumentParser:
                         "(default 64)")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="accept 'Authorization: Bearer KEY' (repeat for several tenants: "
-                        "each key's prompts share cached pages only with its own)")
+                        "each key's prompts share cached pages only with its own; default: no "
+                        "key needed)")
     p.add_argument("--served-model-name", "--model-name", dest="model_name", default=None,
                    help="the id in /v1/models, the only 'model' requests may name "
                         "(default: MODEL's file or folder name)")
     p.add_argument("--no-prefix-caching", action="store_true",
-                   help="compute every prompt in full (for comparison)")
+                   help="compute every prompt in full, for comparison (default: off)")
     p.add_argument("--threads", type=int, default=0,
                    help="cores the engine shares between onnxruntime's intra-op threads and "
                         "the cache's kernels (default 0: every core this process may use)")
