@@ -515,7 +515,6 @@ class TestErrors:
          "max_completion_tokens"),
         ({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}, "temperature"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, "top_p"),
-        ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
         ({"messages": [{"role": "user", "content": "hi"}], "stop": [""]}, "stop"),
         ({}, "messages"),
     ])
@@ -524,7 +523,6 @@ class TestErrors:
             assert_error(http.post("/v1/chat/completions", json=body), 400, param=param)
 
     @pytest.mark.parametrize("route, extra, param", [
-        ("/v1/chat/completions", {"n": 3}, "n"),
         ("/v1/chat/completions", {"tools": [{"type": "function",
                                              "function": {"name": "f"}}]}, "tools"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}},

@@ -29,7 +29,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dec(folder) -> OrtDecoder:
     return OrtDecoder.from_pretrained(str(folder), num_pages=NUM_PAGES, page_size=PAGE_SIZE,
-                                      max_batch_size=1)
+                                      max_batch_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +162,47 @@ def test_bad_logprobs_are_400(server, route, body, param):
             else {"prompt": PROMPT})
     with server.http() as http:
         assert_error(http.post(route, json=dict(base, max_tokens=4, **body)), 400, param=param)
+
+
+def engine_parallel(dec: OrtDecoder, ids, n: int, seed: int, **options) -> list[str]:
+    rids = dec.add_parallel_requests(ids, n, NEW, seed=seed, **options)
+    while dec.has_unfinished_requests():
+        dec.step()
+    return [dec.text.decode(dec.pop_output(rid)) for rid in rids]
+
+
+def test_n_choices_equal_the_engines_parallel_continuations(server, dec):
+    client = server.client()
+    messages = [{"role": "user", "content": "Hello world"}]
+    want = engine_parallel(dec, dec.text.encode_chat(messages), 4, 7, temperature=2.0)
+    assert len(set(want)) > 1   # sampled: the choices differ
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                         temperature=2, seed=7, n=4)
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.message.content for c in got.choices] == want
+    assert got.usage.completion_tokens >= 4
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                            temperature=2, seed=7, n=4, stream=True,
+                                            stream_options={"include_usage": True})
+    texts = [""] * 4
+    finished = set()
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason is not None:
+                finished.add(c.index)
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == got.usage.completion_tokens
+    assert texts == want and finished == {0, 1, 2, 3}
+    want = engine_parallel(dec, dec.text.encode(PROMPT), 3, 11, temperature=2.0)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                    temperature=2, seed=11, n=3)
+    assert [c.text for c in got.choices] == want
+    assert [c.index for c in got.choices] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("n", [0, -1, 5, "2", 1.5])
+def test_bad_n_is_400(server, n):
+    with server.http() as http:
+        assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "n": n}), 400,
+                     param="n")

@@ -65,8 +65,8 @@ from .metrics import CONTENT_TYPE
 from .prompts import PromptBuilder
 from .protocol import (APIError, GenerationRequest, parse_chat, parse_completion, parse_json,
                        unknown_fields)
-from .responses import (SSE_DONE, chat_chunk, chat_response, completion_response, sse,
-                        update_events, usage_json)
+from .responses import (SSE_DONE, chat_chunk, chat_response, choices_usage,
+                        completion_response, sse, update_events, usage_chunk)
 from .tokenize import Tokenizing
 
 if TYPE_CHECKING:
@@ -203,13 +203,17 @@ class _Server:
         if self.mailbox is None:
             self.mailbox = Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
-        emit = functools.partial(self.mailbox.post, queue)
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
                     "seed": req.seed, **req.options}
-        job = Job(ids, max_tokens, self.prompts.text_stream(req), emit, sampling=sampling,
-                  salt=self.salt(tenant, req), arrival=arrival)
+        salt = self.salt(tenant, req)
+        jobs = [Job(ids, max_tokens, self.prompts.text_stream(req),
+                    functools.partial(self.mailbox.post_choice, queue, i),
+                    sampling=sampling, salt=salt, arrival=arrival) for i in range(req.n)]
         try:
-            self.engine.submit(job)
+            if req.n == 1:
+                self.engine.submit(jobs[0])
+            else:
+                self.engine.submit_parallel(jobs)
         except (QueueFull, EngineStopped) as exc:
             if isinstance(exc, QueueFull):
                 self.engine.metrics.rejected.inc()
@@ -218,11 +222,11 @@ class _Server:
         response_id, created = prefix + uuid.uuid4().hex, int(time.time())
         model = req.model or self.model_id
         if req.stream:
-            return StreamingResponse(self.stream(job, queue, req, response_id, created, model,
+            return StreamingResponse(self.stream(jobs, queue, req, response_id, created, model,
                                                  usage),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self.whole(request, job, queue, req, response_id, created, model, usage)
+        return await self.whole(request, jobs, queue, req, response_id, created, model, usage)
 
     def prepare(self, body: bytes, kind: str) -> tuple[GenerationRequest, Any, int]:
         """The checked request, its prompt ids and its token budget (in a pool
@@ -241,6 +245,10 @@ class _Server:
         ids = self.prompts.prompt_ids(req)
         max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
         self.prompts.check_options(req, max_tokens)
+        most = self.engine.decoder.max_batch_size
+        if req.n > most:
+            raise APIError(f"Invalid value for 'n': at most {most} choices (the server's "
+                           f"max batch size), got {req.n}", param="n", code="invalid_value")
         return req, ids, max_tokens
 
     def log_unknown(self, data: dict) -> None:
@@ -255,57 +263,70 @@ class _Server:
         for name in new:
             _log.info("ignoring unknown request field %r (logged once)", name[:64])
 
-    async def whole(self, request: Request, job: Job, queue: asyncio.Queue, req: GenerationRequest,
-                    response_id: str, created: int, model: str,
+    async def whole(self, request: Request, jobs: list[Job], queue: asyncio.Queue,
+                    req: GenerationRequest, response_id: str, created: int, model: str,
                     note: dict | None = None) -> Response:
-        parts: list[str] = []
-        writer = self.logprob_writer(req)
-        logprobs: list[dict] = []
+        parts: list[list[str]] = [[] for _ in jobs]
+        writers = [self.logprob_writer(req) for _ in jobs]
+        logprobs: list[list[dict]] = [[] for _ in jobs]
+        last: dict[int, Update] = {}
         gone = asyncio.ensure_future(_disconnected(request))
         try:
-            while True:
+            while len(last) < len(jobs):
                 get = asyncio.ensure_future(queue.get())
                 await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
                 if not get.done():
                     get.cancel()
-                    self.engine.cancel(job)
+                    self.cancel(jobs)
                     return Response(status_code=499)   # nobody reads it
                 update: Update = get.result()
-                parts.append(update.text)
+                parts[update.index].append(update.text)
+                writer = writers[update.index]
                 if writer is not None and update.logprobs:
-                    logprobs.append(writer.format(update.logprobs))
+                    logprobs[update.index].append(writer.format(update.logprobs))
                 if update.finish_reason is not None:
-                    break
+                    last[update.index] = update
+                    if update.finish_reason in ("error", "abort"):
+                        break
         finally:
             gone.cancel()
         if note is not None:
-            note["completion_tokens"] = update.num_completion_tokens
-        if update.finish_reason in ("error", "abort"):
-            return error_response(api_error(update.error) if update.error is not None
+            note["completion_tokens"] = sum(u.num_completion_tokens for u in last.values())
+        failed = [u for u in last.values() if u.finish_reason in ("error", "abort")]
+        if failed:
+            self.cancel(jobs)
+            return error_response(api_error(failed[0].error) if failed[0].error is not None
                                   else shutdown_error())
-        usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
-                           update.num_cached_tokens)
         build = chat_response if req.kind == "chat" else completion_response
-        joined = LogprobWriter.join(logprobs) if writer is not None else None
-        if writer is not None and joined is None:
-            joined = writer.format(())
-        return JSONResponse(build(response_id, created, model, "".join(parts),
-                                  update.finish_reason, usage, joined))
+        choices = []
+        for i, writer in enumerate(writers):
+            joined = None
+            if writer is not None:
+                joined = LogprobWriter.join(logprobs[i]) or writer.format(())
+            choices.append(("".join(parts[i]), last[i].finish_reason, joined))
+        return JSONResponse(build(response_id, created, model, choices,
+                                  choices_usage(list(last.values()))))
+
+    def cancel(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            self.engine.cancel(job)
 
     def logprob_writer(self, req: GenerationRequest) -> LogprobWriter | None:
         if req.options.get("logprobs") is None:
             return None
         return LogprobWriter(self.prompts.codec, req.kind)
 
-    async def stream(self, job: Job, queue: asyncio.Queue, req: GenerationRequest,
+    async def stream(self, jobs: list[Job], queue: asyncio.Queue, req: GenerationRequest,
                      response_id: str, created: int, model: str,
                      note: dict | None = None) -> AsyncIterator[bytes]:
+        last: dict[int, Update] = {}
         finished = False
-        writer = self.logprob_writer(req)
+        writers = [self.logprob_writer(req) for _ in jobs]
         try:
             if req.kind == "chat":
-                yield sse(chat_chunk(response_id, created, model,
-                                     {"role": "assistant", "content": ""}))
+                yield b"".join(sse(chat_chunk(response_id, created, model,
+                                              {"role": "assistant", "content": ""}, index=i))
+                               for i in range(len(jobs)))
             while not finished:
                 # everything that has arrived goes out in one write
                 updates = [await queue.get()]
@@ -313,17 +334,26 @@ class _Server:
                     updates.append(queue.get_nowait())
                 out: list[bytes] = []
                 for update in updates:
-                    out.extend(update_events(update, req, response_id, created, model, writer))
-                    finished = update.finish_reason is not None
+                    out.extend(update_events(update, req, response_id, created, model,
+                                             writers[update.index]))
+                    if update.finish_reason is None:
+                        continue
+                    last[update.index] = update
+                    finished = (len(last) == len(jobs)
+                                or update.finish_reason in ("error", "abort"))
                     if finished:
                         if note is not None:
-                            note["completion_tokens"] = update.num_completion_tokens
+                            note["completion_tokens"] = sum(u.num_completion_tokens
+                                                            for u in last.values())
+                        if req.include_usage and update.finish_reason not in ("error", "abort"):
+                            out.append(sse(usage_chunk(req.kind, response_id, created, model,
+                                                       choices_usage(list(last.values())))))
                         out.append(SSE_DONE)
                         break
                 yield b"".join(out)
         finally:
-            if not finished:   # the client went away (or the server is cancelling us)
-                self.engine.cancel(job)
+            if len(last) < len(jobs):   # the client went away, or a choice failed
+                self.cancel(jobs)
 
 
 async def _disconnected(request: Request) -> None:

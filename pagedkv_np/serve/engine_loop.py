@@ -79,6 +79,9 @@ class Update:
     error: BaseException | None = None
     #: ``TokenLogprob`` of this update's tokens, for a job that asked for them
     logprobs: tuple = ()
+    #: the choice (0 to n - 1) of a request with ``n`` continuations; the
+    #: HTTP side sets it (``dataclasses.replace``) when the update reaches it
+    index: int = 0
 
 
 class Job:
@@ -100,7 +103,7 @@ class Job:
     """
 
     __slots__ = ("prompt_ids", "max_tokens", "stream", "emit", "sampling", "salt", "arrival",
-                 "rid", "num_generated", "num_cached", "last_token_time", "done")
+                 "rid", "num_generated", "num_cached", "last_token_time", "done", "group")
 
     def __init__(self, prompt_ids: Any, max_tokens: int, stream: TextStream,
                  emit: Callable[[Update], None], *, sampling: dict | None = None,
@@ -117,6 +120,9 @@ class Job:
         self.num_generated = 0
         self.last_token_time: float | None = None
         self.done = False
+        # the jobs of one prompt's n continuations (add_parallel_requests), set
+        # on the first of them by EngineLoop.submit_parallel
+        self.group: list[Job] | None = None
 
 
 class EngineLoop:
@@ -181,6 +187,22 @@ class EngineLoop:
             self._commands.append(("submit", job))
             self._cond.notify()
 
+    def submit_parallel(self, jobs: list[Job]) -> None:
+        """Queue the jobs of ``len(jobs)`` continuations of one prompt (the
+        first job's prompt, budget and sampling options): the prompt is
+        computed once (``add_parallel_requests``). Each job counts as queued,
+        and is cancelled, on its own; raises as :meth:`submit` does."""
+        with self._cond:
+            if self._stopping or not self.is_alive:
+                raise EngineStopped("the engine is not running")
+            if self._num_queued + len(jobs) > self.max_queue:
+                raise QueueFull(f"{self._num_queued} requests are already queued "
+                                f"(max_queue = {self.max_queue})")
+            self._num_queued += len(jobs)
+            jobs[0].group = list(jobs)
+            self._commands.append(("submit", jobs[0]))
+            self._cond.notify()
+
     def cancel(self, job: Job) -> None:
         """Abort a job (its client went away); its pages go back to the pool."""
         with self._cond:
@@ -239,13 +261,22 @@ class EngineLoop:
                 self._num_queued -= 1
 
     def _add(self, job: Job) -> None:
+        jobs = job.group or [job]
         try:
-            job.rid = self.decoder.add_request(job.prompt_ids, job.max_tokens, salt=job.salt,
-                                               **job.sampling)
+            if job.group is None:
+                rids = [self.decoder.add_request(job.prompt_ids, job.max_tokens, salt=job.salt,
+                                                 **job.sampling)]
+            else:
+                rids = self.decoder.add_parallel_requests(job.prompt_ids, len(jobs),
+                                                          job.max_tokens, salt=job.salt,
+                                                          **job.sampling)
         except Exception as exc:   # the HTTP side tells bad input from a fault by type
-            self._fail(job, exc)
+            for each in jobs:
+                self._fail(each, exc)
             return
-        self._active[job.rid] = job
+        for each, rid in zip(jobs, rids):
+            each.rid = rid
+            self._active[rid] = each
 
     def _finish(self, job: Job, update: Update) -> None:
         self._dequeue(job)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from .engine_loop import Update
 
@@ -34,6 +35,10 @@ class Mailbox:
             self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:   # the event loop has closed: nobody is listening
             pass
+
+    def post_choice(self, queue: asyncio.Queue, index: int, update: Update) -> None:
+        """:meth:`post` ``update`` marked as choice ``index`` of its request."""
+        self.post(queue, dataclasses.replace(update, index=index) if index else update)
 
     def _deliver(self) -> None:
         with self._lock:

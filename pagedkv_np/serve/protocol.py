@@ -10,7 +10,7 @@ field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``n > 1``, tools) is a 400
+server does not implement (``best_of``, tools) is a 400
 too, rather than silently different output. A body nested too deeply for
 the JSON parser is a 400 as well.
 """
@@ -110,6 +110,8 @@ class GenerationRequest:
     #: ``min_tokens``, ``logprobs``: alternatives per token), only those the
     #: request set
     options: dict = field(default_factory=dict)
+    #: choices: continuations of the one prompt (``add_parallel_requests``)
+    n: int = 1
 
 
 def parse_json(body: bytes) -> dict:
@@ -225,9 +227,6 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 def _check_unsupported(body: dict) -> None:
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise _unsupported("n", f"one choice per request, got n = {n}")
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
@@ -311,6 +310,13 @@ def _logprobs(body: dict, kind: str) -> int | None:
     return top
 
 
+def _n(body: dict) -> int:
+    n = _int(body, "n", 1) or 0
+    if n < 1:
+        raise _value_error("n", f"expected an integer >= 1, got {n}")
+    return n
+
+
 def _engine_options(body: dict, kind: str) -> dict:
     """The engine options a request sets (see ``GenerationRequest.options``)."""
     options: dict = {}
@@ -379,7 +385,8 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
                              prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
-                             cache_salt=salt, options=_engine_options(body, kind))
+                             cache_salt=salt, options=_engine_options(body, kind),
+                             n=_n(body))
 
 
 def _message(i: int, msg: Any) -> dict:

@@ -16,7 +16,7 @@ from .http_errors import api_error, shutdown_error
 from .logprobs import LogprobWriter
 from .protocol import GenerationRequest
 
-__all__ = ["usage_json", "chat_response", "completion_response", "chat_chunk",
+__all__ = ["usage_json", "choices_usage", "chat_response", "completion_response", "chat_chunk",
            "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "update_events"]
 
 
@@ -27,35 +27,49 @@ def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
             "prompt_tokens_details": {"cached_tokens": num_cached_tokens}}
 
 
-def chat_response(response_id: str, created: int, model: str, text: str,
-                  finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+def choices_usage(last: list[Update]) -> dict:
+    """The usage of a request from its choices' last updates (the prompt
+    counted once)."""
+    return usage_json(last[0].num_prompt_tokens, sum(u.num_completion_tokens for u in last),
+                      last[0].num_cached_tokens)
+
+
+def chat_response(response_id: str, created: int, model: str, choices: list[tuple],
+                  usage: dict) -> dict:
+    """A whole chat answer; ``choices``: ``(text, finish_reason, logprobs)`` of
+    each choice, in index order."""
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": finish_reason}],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
+                         "logprobs": logprobs, "finish_reason": reason}
+                        for i, (text, reason, logprobs) in enumerate(choices)],
             "usage": usage}
 
 
-def completion_response(response_id: str, created: int, model: str, text: str,
-                        finish_reason: str, usage: dict, logprobs: dict | None = None) -> dict:
+def completion_response(response_id: str, created: int, model: str, choices: list[tuple],
+                        usage: dict) -> dict:
+    """A whole completion; ``choices`` as for :func:`chat_response`."""
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
-                         "finish_reason": finish_reason}],
+            "choices": [{"index": i, "text": text, "logprobs": logprobs,
+                         "finish_reason": reason}
+                        for i, (text, reason, logprobs) in enumerate(choices)],
             "usage": usage}
 
 
 def chat_chunk(response_id: str, created: int, model: str, delta: dict,
-               finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+               finish_reason: str | None = None, logprobs: dict | None = None,
+               index: int = 0) -> dict:
     """A ``chat.completion.chunk``; ``delta`` is ``{"role": ...}``,
     ``{"content": ...}`` or ``{}`` (with the finish reason)."""
     return {"id": response_id, "object": "chat.completion.chunk", "created": created,
-            "model": model, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+            "model": model, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                          "finish_reason": finish_reason}]}
 
 
 def completion_chunk(response_id: str, created: int, model: str, text: str,
-                     finish_reason: str | None = None, logprobs: dict | None = None) -> dict:
+                     finish_reason: str | None = None, logprobs: dict | None = None,
+                     index: int = 0) -> dict:
     return {"id": response_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": finish_reason}]}
 
 
@@ -75,27 +89,27 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def update_events(update: Update, req: GenerationRequest, response_id: str, created: int,
-            model: str, writer: LogprobWriter | None = None) -> list[bytes]:
-    """The server-sent events of one update (its tokens' logprobs ride on
-    its text chunk, with ``writer``)."""
+                  model: str, writer: LogprobWriter | None = None) -> list[bytes]:
+    """The server-sent events of one update, for choice ``update.index`` (its
+    tokens' logprobs ride on its text chunk, with ``writer``). The usage
+    chunk is the caller's: it follows the last choice's finish."""
     chat = req.kind == "chat"
     if update.finish_reason in ("error", "abort"):
         err = api_error(update.error) if update.error is not None else shutdown_error()
         return [sse(err.to_json())]
     out = []
+    index = update.index
     logprobs = (writer.format(update.logprobs)
                 if writer is not None and update.logprobs else None)
     if update.text or logprobs is not None:
         out.append(sse(chat_chunk(response_id, created, model, {"content": update.text},
-                                  logprobs=logprobs)
+                                  logprobs=logprobs, index=index)
                        if chat else completion_chunk(response_id, created, model,
-                                                     update.text, logprobs=logprobs)))
+                                                     update.text, logprobs=logprobs,
+                                                     index=index)))
     reason = update.finish_reason
     if reason is not None:
-        out.append(sse(chat_chunk(response_id, created, model, {}, reason) if chat
-                       else completion_chunk(response_id, created, model, "", reason)))
-        if req.include_usage:
-            usage = usage_json(update.num_prompt_tokens, update.num_completion_tokens,
-                               update.num_cached_tokens)
-            out.append(sse(usage_chunk(req.kind, response_id, created, model, usage)))
+        out.append(sse(chat_chunk(response_id, created, model, {}, reason, index=index) if chat
+                       else completion_chunk(response_id, created, model, "", reason,
+                                             index=index)))
     return out
