@@ -525,8 +525,6 @@ class TestErrors:
     @pytest.mark.parametrize("route, extra, param", [
         ("/v1/chat/completions", {"tools": [{"type": "function",
                                              "function": {"name": "f"}}]}, "tools"),
-        ("/v1/chat/completions", {"response_format": {"type": "json_object"}},
-         "response_format"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),

@@ -12,6 +12,8 @@ pytest.importorskip("starlette", reason="the serve extra is not installed")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+import json  # noqa: E402
+
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
 from test_serve import MODEL, NUM_PAGES, PAGE_SIZE, Server, assert_error, build_folder  # noqa: E402
 
@@ -206,3 +208,93 @@ def test_bad_n_is_400(server, n):
     with server.http() as http:
         assert_error(http.post("/v1/completions", json={"prompt": PROMPT, "n": n}), 400,
                      param="n")
+
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "item": {"type": "string", "maxLength": 8},
+        "size": {"enum": ["small", "medium", "large"]},
+        "count": {"type": "integer", "minimum": 1, "maximum": 50},
+        "extras": {"type": "array", "maxItems": 3,
+                   "items": {"type": "object",
+                             "properties": {"kind": {"enum": ["milk", "sugar"]},
+                                            "double": {"type": "boolean"}},
+                             "required": ["kind", "double"], "additionalProperties": False}},
+        "ship": {"type": "object",
+                 "properties": {"city": {"type": "string", "maxLength": 8},
+                                "days": {"type": "array", "minItems": 1, "maxItems": 2,
+                                         "items": {"type": "integer", "minimum": 0,
+                                                   "maximum": 9}}},
+                 "required": ["city", "days"], "additionalProperties": False},
+    },
+    "required": ["item", "size", "count", "extras", "ship"],
+    "additionalProperties": False,
+}
+
+
+def valid(value, schema) -> bool:
+    """The subset of JSON Schema ORDER uses: type, enum, bounds, lengths,
+    properties, required, additionalProperties, items."""
+    if "enum" in schema:
+        return value in schema["enum"]
+    kind = schema["type"]
+    if kind == "object":
+        props = schema["properties"]
+        return (isinstance(value, dict) and all(k in value for k in schema["required"])
+                and (schema.get("additionalProperties", True) or set(value) <= set(props))
+                and all(valid(v, props[k]) for k, v in value.items() if k in props))
+    if kind == "array":
+        return (isinstance(value, list) and schema.get("minItems", 0) <= len(value)
+                <= schema.get("maxItems", len(value))
+                and all(valid(v, schema["items"]) for v in value))
+    if kind == "string":
+        return isinstance(value, str) and len(value) <= schema.get("maxLength", len(value))
+    if kind == "integer":
+        return (isinstance(value, int) and not isinstance(value, bool)
+                and schema.get("minimum", value) <= value <= schema.get("maximum", value))
+    if kind == "boolean":
+        return isinstance(value, bool)
+    raise AssertionError(f"the validator does not know {kind}")
+
+
+def test_response_format_json_schema_and_json_object(server, dec):
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    assert not valid({"item": "x"}, ORDER)   # the validator refuses what it should
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "order", "schema": ORDER,
+                                                  "strict": True}}
+    answers = []
+    for i in range(6):
+        sampling = {"temperature": 0} if i < 2 else {"temperature": 1, "seed": i}
+        got = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Order number {i}"}],
+            max_tokens=300, response_format=fmt, **sampling)
+        answers.append(got.choices[0].message.content)
+        assert got.choices[0].finish_reason == "stop", answers[-1]
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=300, n=2,
+                                    temperature=1, seed=3, extra_body={"response_format": fmt})
+    answers += [c.text for c in got.choices]
+    for text in answers:
+        assert valid(json.loads(text), ORDER), text
+    # a plain request beside them is unchanged
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                     temperature=0).choices[0].text == in_process(dec)[0]
+    obj = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=300,
+        temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("fmt", [
+    "json", {"type": "xml"}, {"type": "json_schema"},
+    {"type": "json_schema", "json_schema": {"schema": ORDER}},
+    {"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}},
+    {"type": "json_schema", "json_schema": {"name": "a", "strict": "yes", "schema": ORDER}},
+    {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "no-such-type"}}},
+])
+def test_bad_response_format_is_400(server, fmt):
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    with server.http() as http:
+        body = {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt}
+        assert_error(http.post("/v1/chat/completions", json=body), 400, param="response_format")

@@ -56,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 from collections.abc import AsyncIterator, Iterable
 
 from .engine_loop import EngineLoop, EngineStopped, Job, QueueFull, Update
+from .grammar import constraint_for, warm_grammar
 from .http_errors import (EXCEPTION_HANDLERS, USAGE_KEY, Metered, api_error, error_response,
                           shutdown_error)
 from .limits import BodyLimits, ServerLimits, http_protocol
@@ -195,7 +196,7 @@ class _Server:
         arrival = time.perf_counter()
         tenant = self.tenant(request)
         body = await request.body()
-        req, ids, max_tokens = await asyncio.get_running_loop().run_in_executor(
+        req, ids, max_tokens, constraint = await asyncio.get_running_loop().run_in_executor(
             self.pool, self.prepare, body, kind)
         usage = request.scope.get(USAGE_KEY)
         if usage is not None:
@@ -204,7 +205,7 @@ class _Server:
             self.mailbox = Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                    "seed": req.seed, **req.options}
+                    "seed": req.seed, "constraint": constraint, **req.options}
         salt = self.salt(tenant, req)
         jobs = [Job(ids, max_tokens, self.prompts.text_stream(req),
                     functools.partial(self.mailbox.post_choice, queue, i),
@@ -228,9 +229,9 @@ class _Server:
                                      headers={"Cache-Control": "no-cache"})
         return await self.whole(request, jobs, queue, req, response_id, created, model, usage)
 
-    def prepare(self, body: bytes, kind: str) -> tuple[GenerationRequest, Any, int]:
-        """The checked request, its prompt ids and its token budget (in a pool
-        thread).
+    def prepare(self, body: bytes, kind: str) -> tuple[GenerationRequest, Any, int, Any]:
+        """The checked request, its prompt ids, its token budget and its
+        ``response_format`` constraint (in a pool thread).
 
         Raises
         ------
@@ -249,7 +250,7 @@ class _Server:
         if req.n > most:
             raise APIError(f"Invalid value for 'n': at most {most} choices (the server's "
                            f"max batch size), got {req.n}", param="n", code="invalid_value")
-        return req, ids, max_tokens
+        return req, ids, max_tokens, constraint_for(self.engine.decoder, data)
 
     def log_unknown(self, data: dict) -> None:
         """Log each unknown field name once (the first few hundred names)."""
@@ -393,6 +394,7 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
     @contextlib.asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[None]:
         engine.start()
+        warm_grammar(engine.decoder)
         try:
             yield
         finally:

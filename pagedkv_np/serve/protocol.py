@@ -236,9 +236,6 @@ def _check_unsupported(body: dict) -> None:
         raise _unsupported("suffix", "no insertion mode")
     if body.get("tools") not in (None, []):
         raise _unsupported("tools", "no tool calls")
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise _unsupported("response_format", "only {\"type\": \"text\"}")
 
 
 def _ranged(body: dict, name: str, lo: float, hi: float, options: dict,
