@@ -27,15 +27,15 @@ __all__ = ["LogprobWriter"]
 class LogprobWriter:
     """Formats one request's log-probabilities, chunk by chunk.
 
+    ``text_offset`` (completions) counts characters of the token texts from
+    the start of the completion, across every chunk this writer formats.
+
     Parameters
     ----------
     codec : TextCodec
         The served model's tokenizer (``decode``).
     kind : str
         ``"chat"`` or ``"completion"``.
-
-    ``text_offset`` (completions) counts characters of the token texts from
-    the start of the completion, across every chunk this writer formats.
     """
 
     def __init__(self, codec: Any, kind: str) -> None:
