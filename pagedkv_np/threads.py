@@ -17,8 +17,8 @@ the kernels' threads then wait for cores that spinning threads hold. A
 
 :func:`thread_budget` resolves the measured policy (``scripts/bench_threads.py``,
 README "Threads"): onnxruntime gets every core the process may run on, its
-idle threads do not spin, and the kernels run serially while a model holds
-the cores.
+idle threads spin for at most :data:`DEFAULT_SPIN_US` microseconds before
+they sleep, and the kernels run serially while a model holds the cores.
 
 This module imports neither onnxruntime nor Numba until a method needs it.
 """
@@ -34,16 +34,27 @@ from typing import Any
 from .errors import ConfigError, DTypeError
 from .checks import is_int
 
-__all__ = ["SPIN_KEY", "ThreadBudget", "available_cores", "thread_budget"]
+__all__ = ["SPIN_KEY", "SPIN_US_KEY", "ThreadBudget", "available_cores", "thread_budget"]
 
 #: The onnxruntime session config entry that lets idle intra-op threads spin.
 SPIN_KEY = "session.intra_op.allow_spinning"
 
+#: The onnxruntime session config entry (1.21 and later) that bounds how long
+#: an idle intra-op thread spins before it sleeps, in microseconds.
+SPIN_US_KEY = "session.intra_op.spin_duration_us"
+
 #: Whether onnxruntime's idle threads spin under :func:`thread_budget`'s
-#: policy. Off: on 2 cores with SmolLM2, spinning decoded one request at
-#: 89-96 tokens/s against 68-74 on a near-idle machine, and at 13 against 50
-#: beside two busy processes (README "Threads").
-DEFAULT_SPIN = False
+#: policy: yes, for at most :data:`DEFAULT_SPIN_US`. Unbounded spinning
+#: decoded one request at 89-96 tokens/s against 68-74 without on a
+#: near-idle 2-core machine, but at 13 against 50 beside two busy processes
+#: (README "Threads"): a spin long enough to catch the next operator of a
+#: run, and no longer, keeps the first without the second.
+DEFAULT_SPIN = True
+
+#: Microseconds an idle intra-op thread spins under the policy: operators of
+#: a run follow each other within microseconds; between two runs (Python,
+#: sampling, HTTP, other processes) the threads sleep.
+DEFAULT_SPIN_US = 50
 
 #: Numba threads for the engine's kernels under :func:`thread_budget`'s policy.
 DEFAULT_KERNEL_THREADS = 1
@@ -91,6 +102,9 @@ class ThreadBudget:
     spin : bool, optional
         Whether idle intra-op threads spin-wait for work. None: onnxruntime's
         default (they spin).
+    spin_us : int, optional
+        With ``spin``, the most microseconds an idle thread spins before it
+        sleeps (:data:`SPIN_US_KEY`). None: onnxruntime's own spin.
     kernel_threads : int, optional
         Numba threads for the kernels the engine calls, capped at Numba's pool
         size (``NUMBA_NUM_THREADS``); with fewer than 2 the kernels run
@@ -101,17 +115,22 @@ class ThreadBudget:
     DTypeError
         A field of the wrong type.
     ConfigError
-        A count below 1.
+        A count below 1, or ``spin_us`` without ``spin``.
     """
 
     threads: int | None = None
     spin: bool | None = None
     kernel_threads: int | None = None
+    spin_us: int | None = None
 
     def __post_init__(self) -> None:
         _count(self.threads, "threads")
         _flag(self.spin, "spin")
         _count(self.kernel_threads, "kernel_threads")
+        _count(self.spin_us, "spin_us")
+        if self.spin_us is not None and self.spin is False:
+            raise ConfigError("Invalid spin_us: idle threads that do not spin have no spin "
+                              "duration; give spin=True or None with it")
 
     def session_options(self, options: Any = None) -> Any:
         """onnxruntime ``SessionOptions`` carrying this budget.
@@ -132,6 +151,8 @@ class ThreadBudget:
             options.inter_op_num_threads = 1
         if self.spin is not None:
             options.add_session_config_entry(SPIN_KEY, "1" if self.spin else "0")
+        if self.spin_us is not None:
+            options.add_session_config_entry(SPIN_US_KEY, str(self.spin_us))
         return options
 
     def numba_threads(self) -> int | None:
@@ -179,7 +200,9 @@ def thread_budget(threads: Any = None, spin: Any = None, *,
         cores of this process's affinity (:func:`available_cores`). A
         :class:`ThreadBudget` is returned as it is (then ``spin`` must be None).
     spin : bool, optional
-        Let onnxruntime's idle threads spin-wait. None: :data:`DEFAULT_SPIN`.
+        Let onnxruntime's idle threads spin-wait: True as long as onnxruntime
+        does, False never. None: the policy, :data:`DEFAULT_SPIN` for at most
+        :data:`DEFAULT_SPIN_US` microseconds.
     session_options : onnxruntime.SessionOptions, optional
         The caller's own options, which onnxruntime then uses as they are:
         ``threads`` (as a count) and ``spin`` must be None with them, since
@@ -222,4 +245,5 @@ def thread_budget(threads: Any = None, spin: Any = None, *,
     flag = _flag(spin, "spin")
     return ThreadBudget(threads=available_cores() if count is None else count,
                         spin=DEFAULT_SPIN if flag is None else flag,
-                        kernel_threads=DEFAULT_KERNEL_THREADS)
+                        kernel_threads=DEFAULT_KERNEL_THREADS,
+                        spin_us=DEFAULT_SPIN_US if flag is None and DEFAULT_SPIN else None)

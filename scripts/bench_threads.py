@@ -11,7 +11,11 @@ numba-serial
     onnxruntime's defaults, the kernels serial (1 Numba thread) in the engine.
 budget
     OrtDecoder's default, ``thread_budget()``: every core of the affinity to
-    onnxruntime, no spinning, serial kernels.
+    onnxruntime, idle threads spinning 50 us at most, serial kernels.
+no-spin
+    the budget without spinning (the budget before the bounded spin).
+ort-spin
+    the budget with onnxruntime's own (unbounded) spin.
 
 Each run is a fresh process that loads SmolLM2-135M-Instruct
 (``OrtDecoder.from_pretrained()``, exact 4-bit weights) and measures
@@ -51,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedkv_np.bench.timing import fmt_spread, rotated, run_json  # noqa: E402
 from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
-POLICIES = ("defaults", "spin-off", "numba-serial", "budget")
+POLICIES = ("defaults", "spin-off", "numba-serial", "budget", "no-spin", "ort-spin")
 STATES = ("quiet", "busy")
 
 
@@ -66,6 +70,10 @@ def _budget(policy: str):
         return ThreadBudget(kernel_threads=1)
     if policy == "budget":
         return None                       # OrtDecoder's own default
+    if policy in ("no-spin", "ort-spin"):
+        from pagedkv_np.threads import thread_budget
+
+        return thread_budget(spin=policy == "ort-spin")
     raise SystemExit(f"unknown policy {policy!r}")
 
 

@@ -22,11 +22,19 @@ from pagedkv_np import ConfigError, DTypeError
 from pagedkv_np.backends.numba_cpu import PARALLEL_MIN_BYTES
 from pagedkv_np.onnxruntime import OrtDecoder
 from pagedkv_np.serve.command import load_decoder, parse_args, session_options
-from pagedkv_np.threads import SPIN_KEY, ThreadBudget, available_cores, thread_budget
+from pagedkv_np.threads import (DEFAULT_SPIN_US, SPIN_KEY, SPIN_US_KEY, ThreadBudget,
+                                available_cores, thread_budget)
 
 from test_onnxruntime import NEW, PROMPTS, WAVE2, decoder, model_bytes, reference
 
 NUMBA_POOL = int(numba.config.NUMBA_NUM_THREADS)
+
+
+def _spin_us_entry(options: ort.SessionOptions) -> str | None:
+    try:
+        return options.get_session_config_entry(SPIN_US_KEY)
+    except Exception:   # onnxruntime raises when the entry was never set
+        return None
 
 
 def _spin_entry(options: ort.SessionOptions) -> str | None:
@@ -61,8 +69,12 @@ def _spy_kernels(monkeypatch, dec: OrtDecoder) -> list[tuple[int, int, int]]:
 def test_the_policy_resolves_cores_spin_and_kernel_threads():
     b = thread_budget()
     assert available_cores() == len(os.sched_getaffinity(0))
-    assert (b.threads, b.spin, b.kernel_threads) == (available_cores(), False, 1)
+    assert (b.threads, b.spin, b.kernel_threads) == (available_cores(), True, 1)
+    assert b.spin_us == DEFAULT_SPIN_US       # spinning, but briefly
     assert thread_budget(3, True) == ThreadBudget(threads=3, spin=True, kernel_threads=1)
+    assert thread_budget(3, False) == ThreadBudget(threads=3, spin=False, kernel_threads=1)
+    assert _spin_us_entry(b.session_options()) == str(DEFAULT_SPIN_US)
+    assert _spin_us_entry(thread_budget(3, True).session_options()) is None
     mine = ThreadBudget(kernel_threads=2)
     assert thread_budget(mine) is mine
     assert mine.numba_threads() == min(2, NUMBA_POOL)
@@ -90,25 +102,28 @@ def test_bad_values_raise_typed_errors_and_change_nothing(kw, err):
         assert options.intra_op_num_threads == 0 and _spin_entry(options) is None
 
 
-@pytest.mark.parametrize("kw", [dict(threads=0), dict(spin="x"), dict(kernel_threads=0)])
+@pytest.mark.parametrize("kw", [dict(threads=0), dict(spin="x"), dict(kernel_threads=0),
+                                dict(spin_us=0), dict(spin_us=1.5),
+                                dict(spin=False, spin_us=50)])
 def test_bad_budget_fields(kw):
     with pytest.raises((ConfigError, DTypeError)):
         ThreadBudget(**kw)
 
 
 # ------------------------------------------------------ onnxruntime's side
-@pytest.mark.parametrize("kw, intra, inter, spin", [
-    (dict(), available_cores(), 1, "0"),
-    (dict(threads=1, spin=True), 1, 1, "1"),
-    (dict(threads=2, spin=False), 2, 1, "0"),
-    (dict(threads=ThreadBudget()), 0, 0, None),              # onnxruntime's own defaults
-    (dict(threads=ThreadBudget(spin=True)), 0, 0, "1"),
+@pytest.mark.parametrize("kw, intra, inter, spin, spin_us", [
+    (dict(), available_cores(), 1, "1", str(DEFAULT_SPIN_US)),   # spinning, briefly
+    (dict(threads=1, spin=True), 1, 1, "1", None),
+    (dict(threads=2, spin=False), 2, 1, "0", None),
+    (dict(threads=ThreadBudget()), 0, 0, None, None),        # onnxruntime's own defaults
+    (dict(threads=ThreadBudget(spin=True)), 0, 0, "1", None),
+    (dict(threads=ThreadBudget(spin=True, spin_us=7)), 0, 0, "1", "7"),
 ])
-def test_the_options_reach_the_real_session(kw, intra, inter, spin):
+def test_the_options_reach_the_real_session(kw, intra, inter, spin, spin_us):
     dec = decoder("gqa", **kw)
     got = dec.session.get_session_options()
-    assert (got.intra_op_num_threads, got.inter_op_num_threads, _spin_entry(got)) == \
-        (intra, inter, spin)
+    assert (got.intra_op_num_threads, got.inter_op_num_threads, _spin_entry(got),
+            _spin_us_entry(got)) == (intra, inter, spin, spin_us)
 
 
 def test_the_callers_session_options_are_used_as_they_are():
@@ -256,7 +271,8 @@ def test_serve_flags_reach_the_session():
     assert dec.threads == thread_budget(1, True)
     dec = load_decoder(parse_args(["--num-pages", "64"]))
     got = dec.session.get_session_options()
-    assert (got.intra_op_num_threads, _spin_entry(got)) == (available_cores(), "0")
+    assert (got.intra_op_num_threads, _spin_entry(got), _spin_us_entry(got)) == \
+        (available_cores(), "1", str(DEFAULT_SPIN_US))        # the policy: brief spins
     assert dec.threads.numba_threads() == 1
 
 

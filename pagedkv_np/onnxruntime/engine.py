@@ -134,8 +134,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         the smaller one is :attr:`max_positions`.
     threads, spin : optional
         Cores shared by onnxruntime and the cache's kernels (default: the
-        CPU affinity's), and whether idle onnxruntime threads spin (default
-        no): :func:`pagedkv_np.threads.thread_budget`, README "Threads".
+        CPU affinity's), and whether idle onnxruntime threads spin (default:
+        50 us at most): :func:`pagedkv_np.threads.thread_budget`, README "Threads".
     session_options : onnxruntime.SessionOptions, optional
         Used as they are: then only a ThreadBudget as ``threads`` may be
         given, for the kernels.
