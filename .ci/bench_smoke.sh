@@ -37,3 +37,7 @@ if [ "$status" -ne 0 ]; then
 fi
 
 "$BIN/pagedkv" bench --quick
+
+# the llama.cpp peer harness end to end against its plain onnxruntime peer
+# (no llama.cpp build): servers, the streaming client, the figures
+"$BIN/python" scripts/bench_llamacpp.py --quick --workloads sequential,long,itl

