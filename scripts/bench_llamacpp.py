@@ -62,6 +62,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 from functools import partial
@@ -150,12 +151,14 @@ class Server:
         import httpx
 
         self.base = f"http://127.0.0.1:{port}"
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
+            prefix="bench_llamacpp_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 900
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{cmd[0]} exited with status {self.proc.returncode}")
+                raise SystemExit(f"{cmd[0]} exited with status {self.proc.returncode}; "
+                                 f"its output: {self.log.name}")
             try:
                 if httpx.get(self.base + "/health", timeout=2, trust_env=False).status_code == 200:
                     return
@@ -170,13 +173,18 @@ class Server:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
         return int(re.search(r"VmHWM:\s+(\d+)", status).group(1)) / 1024  # type: ignore[union-attr]
 
-    def stop(self) -> None:
+    def stop(self, keep_log: bool = False) -> None:
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
+        if keep_log:
+            print(f"  the server's output: {self.log.name}", flush=True)
+        else:
+            os.unlink(self.log.name)
 
 
 def start_server(kind: str, args, gguf: str) -> Server:
@@ -450,11 +458,13 @@ def one_run(kind: str, workload: str, args, gguf: str) -> dict:
         return json.loads(subprocess.run(cmd, capture_output=True, text=True,
                                          check=True).stdout.splitlines()[-1])
     server = start_server(kind, args, gguf)
+    failed = True
     try:
         out = asyncio.run(run_workload(server.base, workload, args))
         out["peak_rss_mib"] = server.peak_rss_mib()
+        failed = False
     finally:
-        server.stop()
+        server.stop(keep_log=failed)
     return out
 
 

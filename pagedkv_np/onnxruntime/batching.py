@@ -35,7 +35,6 @@ When a step fails, only the requests it concerns end:
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 
@@ -96,10 +95,7 @@ class Batcher:
         events = StepEvents()
         try:
             decoding = bool(self.running)
-            start = time.perf_counter()
             preempted = self.decode(events)
-            if decoding:
-                self.chunks.decoded(time.perf_counter() - start)
             if not preempted:
                 self.admit(events, decoding)
         except BaseException:
@@ -346,7 +342,7 @@ class Batcher:
                 continue
             n = min(budget, fill.num_tokens - fill.num_done)
             budget -= n
-            if not self._feed(fill, n, events, decoding):
+            if not self._feed(fill, n, events):
                 break
 
     def _open(self, events: StepEvents) -> bool:
@@ -382,7 +378,7 @@ class Batcher:
         self.counters["prefix_query_tokens"] += tokens.shape[0]
         return True
 
-    def _feed(self, fill: Prefill, n: int, events: StepEvents, decoding: bool) -> bool:
+    def _feed(self, fill: Prefill, n: int, events: StepEvents) -> bool:
         """Prefill the next ``n`` tokens of the open prompt; on its last
         chunk the request samples its first token and joins the batch.
         False when the pool has no room for the chunk (the prompt goes back
@@ -391,7 +387,6 @@ class Batcher:
         start = fill.num_done
         chunk = fill.tokens[start:start + n]
         plan = None
-        started = time.perf_counter()
         try:
             if not cache.can_extend(seq, n):
                 self._close_prefill(requeue=True)
@@ -419,7 +414,6 @@ class Batcher:
             return True
         fill.num_done += n
         self.counters["num_prefill_chunks"] += 1
-        self.chunks.fed(n, time.perf_counter() - started, decoding)
         if token is None:
             return True
         self.prefilling = None

@@ -4,31 +4,37 @@ A step of :class:`~pagedkv_np.onnxruntime.OrtDecoder` decodes a token for
 every running request, then feeds prompt tokens. A long prompt fed whole
 stalls the running requests for its whole prefill; fed in chunks, one chunk
 a step, they wait one chunk between two tokens. On a small CPU a chunk's
-model call costs about what a decode step does (the weights are read once
-per call) plus its tokens, so with ``N`` prompt tokens in chunks of ``n``::
+model call costs about a decode step before its first token (the weights
+are read once per call) and then its tokens, so with ``N`` prompt tokens in
+chunks of ``n``::
 
-    gap between two tokens of a running request = t_decode + t_chunk(n)
-    the prompt's time to its first token        = N / n * (t_decode + t_chunk(n))
+    gap between two tokens of a running request ~ 2 t_decode + n t_token
+    the prompt's time to its first token        ~ N / n * (2 t_decode + n t_token)
 
-One cannot have both a short gap and the prompt's wait of a lone prefill:
-each step's decode comes on top of the prefill's own time. The policy:
+Small chunks keep the running requests going, large ones the prompt's own
+wait short; neither gets both. Measured with ``scripts/bench_prefill.py``
+(SmolLM2-135M q4, 2 cores, load average 1.5-5 from other jobs; a
+4,818-token prompt arriving while 4 streams decode at a 59-71 ms median
+gap; p99 of their gaps while it is fed, over that median, and its time to
+first token; medians of 2 rounds, two runs)::
 
-``prefill_chunk=None`` (the default)
-    each chunk is sized from what the last steps took, so that it takes
-    about :data:`STALL_TARGET` decode steps: a running request's gaps stay
-    near ``1 + STALL_TARGET`` times its decode step, whatever the load of
-    the machine and the size of the batch (a fixed size that suits 4
-    running requests on a quiet machine is too large beside one request,
-    or on a busy machine, where a decode step and a chunk slow down
-    differently). Where a chunk's boundaries fall then varies from run to
-    run; the tokens do not (each chunk continues the previous one's K/V).
-an int
-    that many prompt tokens a step, always (reproducible chunk boundaries).
+    chunk           streams' p99 gap    prompt TTFT
+    16 tokens       305 ms (4.7x)       64.2 s
+    32 tokens       562 ms (9.6x)       49.7 s
+    64 tokens       645 ms (9.2x)       32.0 s   (the default)
+    128 tokens     1330 ms (20.8x)      27.3 s
+    whole prompt    26.3 s (371x)       26.3 s   (before chunking)
+
+``prefill_chunk`` (default :data:`DEFAULT_PREFILL_CHUNK`) sets ``n``: 64
+keeps the prompt's wait within 22% of a whole-prompt prefill while the
+others' longest gap is 0.6 s instead of 26 s. A chunk sized from measured
+step times (to take two decode steps) did worse on both counts (6.8x,
+122 s): the first cost of a call does not shrink with the chunk, and the
+times it steered by were noisy.
 
 With no request decoding, nothing stalls: a step feeds
 :data:`SOLO_PREFILL_CHUNK` tokens, which bounds the activations a long
-prompt needs without slowing it down. Measured with
-``scripts/bench_prefill.py`` (README "Long prompts").
+prompt needs without slowing it down.
 """
 
 from __future__ import annotations
@@ -40,20 +46,15 @@ import numpy as np
 from ..checks import check_positive_int
 from .requests import Request
 
-__all__ = ["ChunkBudget", "Prefill", "STALL_TARGET", "SOLO_PREFILL_CHUNK", "MIN_PREFILL_CHUNK"]
+__all__ = ["ChunkBudget", "Prefill", "DEFAULT_PREFILL_CHUNK", "SOLO_PREFILL_CHUNK"]
 
-#: The time a step's chunk may take while requests decode, in decode steps.
-STALL_TARGET = 2.0
+#: Prompt tokens a step feeds while requests decode (``prefill_chunk``).
+DEFAULT_PREFILL_CHUNK = 64
 
-#: Prompt tokens a step feeds with no request decoding: chunks of 512 were as
-#: fast as one call for the whole prompt, and bound its activations.
+#: Prompt tokens a step feeds with no request decoding: a 4,818-token prompt
+#: in chunks of 512 took 87.5 s against 100.9 s in one call (and 88.9 s in
+#: chunks of 256) on a loaded machine, and bounds its activations.
 SOLO_PREFILL_CHUNK = 512
-
-#: The smallest adaptive chunk: smaller ones cost a model call each for little.
-MIN_PREFILL_CHUNK = 8
-
-# weight of the newest figure in the running averages of step times
-_SMOOTHING = 0.5
 
 
 class ChunkBudget:
@@ -62,8 +63,8 @@ class ChunkBudget:
     Parameters
     ----------
     prefill_chunk : int, optional
-        Tokens a step feeds while requests decode; None sizes chunks to
-        :data:`STALL_TARGET` decode steps.
+        Tokens a step feeds while requests decode (default
+        :data:`DEFAULT_PREFILL_CHUNK`).
 
     Raises
     ------
@@ -72,35 +73,12 @@ class ChunkBudget:
     """
 
     def __init__(self, prefill_chunk: Any = None) -> None:
-        self.fixed = None if prefill_chunk is None else check_positive_int(prefill_chunk,
-                                                                           "prefill_chunk")
-        self.decode_seconds: float | None = None      # a decode step, smoothed
-        self.token_seconds: float | None = None       # a prompt token of a chunk, smoothed
+        self.chunk = (DEFAULT_PREFILL_CHUNK if prefill_chunk is None
+                      else check_positive_int(prefill_chunk, "prefill_chunk"))
 
     def tokens(self, decoding: bool) -> int:
         """This step's budget; ``decoding``: whether requests decode beside it."""
-        if not decoding:
-            return max(SOLO_PREFILL_CHUNK, self.fixed or 0)
-        if self.fixed is not None:
-            return self.fixed
-        if self.decode_seconds is None or self.token_seconds is None:
-            return MIN_PREFILL_CHUNK
-        n = int(STALL_TARGET * self.decode_seconds / self.token_seconds)
-        return min(max(n, MIN_PREFILL_CHUNK), SOLO_PREFILL_CHUNK)
-
-    def decoded(self, seconds: float) -> None:
-        """A decode step of the running requests took ``seconds``."""
-        self.decode_seconds = _smooth(self.decode_seconds, seconds)
-
-    def fed(self, num_tokens: int, seconds: float, decoding: bool) -> None:
-        """A chunk of ``num_tokens`` took ``seconds`` (only chunks fed beside
-        decode steps count: a solo chunk's tokens cost less each)."""
-        if decoding and num_tokens:
-            self.token_seconds = _smooth(self.token_seconds, seconds / num_tokens)
-
-
-def _smooth(old: float | None, new: float) -> float:
-    return new if old is None else old + _SMOOTHING * (new - old)
+        return self.chunk if decoding else max(SOLO_PREFILL_CHUNK, self.chunk)
 
 
 class Prefill:

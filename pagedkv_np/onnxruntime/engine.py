@@ -119,11 +119,12 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         written into the pages, in one call per layer (sooner when the batch
         changes or a request ends). 1 writes every step.
     prefill_chunk : int, optional
-        Prompt tokens a step feeds while other requests decode: a long
-        prompt is fed in chunks between their decode steps, so that they do
-        not stall for its whole prefill. None (the default) sizes each chunk
-        to take about two decode steps, so that their gaps stay within about
-        3x their usual one; see :mod:`pagedkv_np.onnxruntime.chunking`.
+        Prompt tokens a step feeds while other requests decode (default
+        :data:`~pagedkv_np.onnxruntime.chunking.DEFAULT_PREFILL_CHUNK`): a
+        long prompt is fed in chunks between their decode steps, so that
+        they do not stall for its whole prefill. Smaller chunks keep their
+        gaps shorter, larger ones the prompt's own wait; see
+        :mod:`pagedkv_np.onnxruntime.chunking`.
     family : {"auto", "optimum", "gqa"}
     num_kv_heads, head_dim : int, optional
         For models whose past inputs leave these dimensions symbolic.
