@@ -179,7 +179,7 @@ def flagged(tmp_path_factory):
     s = Server(str(folder), "--served-model-name", SERVED, "--kv-dtype", "int8",
                "--kv-cache-memory", "3MiB", "--page-size", "16", "--disk-cache", str(disk),
                "--disk-cache-size", "64MiB", "--max-model-len", str(MAX_MODEL_LEN),
-               "--access-log", "--max-batch-size", "2", log_level="info")
+               "--access-log", "--max-batch-size", "2", "--no-spin", log_level="info")
     yield s, folder, disk
     if not s.proc.stdout.closed:
         s.stop()

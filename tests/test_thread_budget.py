@@ -287,3 +287,18 @@ def test_serve_refuses_a_negative_thread_count_before_loading_anything(capsys):
     with pytest.raises(SystemExit):   # argparse: not a number
         parse_args(["--threads", "two"])
     assert numba.get_num_threads() == before
+
+
+@pytest.mark.parametrize("argv, spin, spin_us, word", [
+    ([], True, DEFAULT_SPIN_US, f"{DEFAULT_SPIN_US} us"),
+    (["--spin"], True, None, "on"),
+    (["--no-spin"], False, None, "off"),
+])
+def test_serve_spin_flags_and_the_word_the_summary_logs(argv, spin, spin_us, word):
+    from pagedkv_np.serve.command import describe_spin, thread_budget_of
+
+    budget = thread_budget_of(parse_args(argv + ["m.gguf"]))
+    assert (budget.spin, budget.spin_us) == (spin, spin_us)
+    assert describe_spin(budget) == word
+    with pytest.raises(SystemExit):     # argparse: the two exclude each other
+        parse_args(["--spin", "--no-spin", "m.gguf"])

@@ -98,9 +98,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0,
                    help="cores the engine shares between onnxruntime's intra-op threads and "
                         "the cache's kernels (default 0: every core this process may use)")
-    p.add_argument("--spin", action="store_true", default=None,
-                   help="let onnxruntime's idle threads spin-wait (off by default: spinning "
-                        "threads take the cores the HTTP side and other processes need)")
+    spin = p.add_mutually_exclusive_group()
+    spin.add_argument("--spin", action="store_true", default=None,
+                      help="let onnxruntime's idle threads spin-wait as long as onnxruntime "
+                           "does (default: at most 50 us, then they sleep, so that they do "
+                           "not take the cores the HTTP side and other processes need)")
+    spin.add_argument("--no-spin", dest="spin", action="store_false",
+                      help="idle onnxruntime threads sleep at once")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
@@ -128,9 +132,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def thread_budget_of(args: Any) -> Any:
     """The :class:`~pagedkv_np.threads.ThreadBudget` of ``--threads`` and ``--spin``.
 
-    The engine's own policy (README "Threads"): idle onnxruntime threads do
-    not spin unless ``--spin`` says so, since on a small or shared machine
-    they take the cores from the event loop and from other processes.
+    The engine's own policy (README "Threads"): idle onnxruntime threads
+    spin for at most 50 us unless ``--spin`` (onnxruntime's own spin) or
+    ``--no-spin`` (none) says otherwise, since on a small or shared machine
+    longer spinning takes the cores from the event loop and other processes.
 
     Raises
     ------
@@ -325,7 +330,14 @@ def startup_summary(decoder: Any, args: Any, model_id: str) -> str:
             f"pages x {cache.page_size} = {cache.num_pages * cache.page_size} tokens, "
             f"{_size(cache.nbytes)} | tiers: {', '.join(tiers) or 'none'} | batch "
             f"{decoder.max_batch_size}, threads {budget.threads or 'all'}, spin "
-            f"{'on' if budget.spin else 'off'} | http://{args.host}:{args.port}")
+            f"{describe_spin(budget)} | http://{args.host}:{args.port}")
+
+
+def describe_spin(budget: Any) -> str:
+    """How idle onnxruntime threads wait, in a word or two."""
+    if not budget.spin:
+        return "off" if budget.spin is False else "onnxruntime default"
+    return f"{budget.spin_us} us" if budget.spin_us is not None else "on"
 
 
 def main(argv: list[str] | None = None) -> int:
