@@ -417,7 +417,8 @@ def tg_ours(args, depth: int) -> float:
     prompt = _depth_prompt(dec.text, depth)
     dec.generate([prompt[:8]], max_new_tokens=2, eos_token_id=[])
     rid = dec.add_request(prompt, max_new_tokens=65, eos_token_id=[])
-    dec.step()                                  # the prefill and the first token
+    while not dec.get_output(rid):              # the prefill (in chunks) and the first token
+        dec.step()
     start = time.perf_counter()
     while not dec.is_finished(rid):
         dec.step()
