@@ -5,8 +5,8 @@ imports it into an ONNX model folder, cached) and get the same HTTP client
 (``httpx``, streaming, greedy). llama.cpp is built here from the vendored
 copy inside the pinned ``llama-cpp-python`` sdist (``--version``): ``pip
 download`` of the sdist, then ``cmake`` with ``-DGGML_NATIVE=ON
--DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON``, only the ``llama-server`` and
-``llama-bench`` targets, under ``nice -n 19``; the binaries are kept in the
+-DLLAMA_CURL=OFF -DLLAMA_BUILD_SERVER=ON``, only the ``llama-server``,
+``llama-bench`` and ``llama-perplexity`` targets, under ``nice -n 19``; the binaries are kept in the
 user cache (``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv_np/llama.cpp/<version>``),
 so later runs start at once. ``--build-only`` builds and exits (about 25
 minutes on 2 cores, longer on a busy machine).
@@ -77,7 +77,7 @@ from pagedkv_np.bench.timing import interleave, medians, percentile  # noqa: E40
 from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
 VERSION = "0.3.36"
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-perplexity")   # perplexity: bench_accuracy.py
 CMAKE_FLAGS = ["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
                "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DBUILD_SHARED_LIBS=OFF"]
