@@ -69,6 +69,7 @@ from .protocol import (APIError, GenerationRequest, parse_chat, parse_completion
 from .responses import (SSE_DONE, chat_chunk, chat_response, choices_usage,
                         completion_response, sse, update_events, usage_chunk)
 from .tokenize import Tokenizing
+from .tools import ToolStream
 
 if TYPE_CHECKING:
     from ..onnxruntime import OrtDecoder
@@ -241,7 +242,8 @@ class _Server:
         """
         data = parse_json(body)
         self.log_unknown(data)
-        req = parse_chat(data) if kind == "chat" else parse_completion(data)
+        req = self.prompts.bind_tools(parse_chat(data) if kind == "chat"
+                                      else parse_completion(data))
         self.check_model(req.model)
         ids = self.prompts.prompt_ids(req)
         max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
@@ -250,7 +252,7 @@ class _Server:
         if req.n > most:
             raise APIError(f"Invalid value for 'n': at most {most} choices (the server's "
                            f"max batch size), got {req.n}", param="n", code="invalid_value")
-        return req, ids, max_tokens, constraint_for(self.engine.decoder, data)
+        return req, ids, max_tokens, constraint_for(self.engine.decoder, data, req.tools)
 
     def log_unknown(self, data: dict) -> None:
         """Log each unknown field name once (the first few hundred names)."""
@@ -298,7 +300,8 @@ class _Server:
             self.cancel(jobs)
             return error_response(api_error(failed[0].error) if failed[0].error is not None
                                   else shutdown_error())
-        build = chat_response if req.kind == "chat" else completion_response
+        build = (functools.partial(chat_response, tools=req.tools) if req.kind == "chat"
+                 else completion_response)
         choices = []
         for i, writer in enumerate(writers):
             joined = None
@@ -323,6 +326,7 @@ class _Server:
         last: dict[int, Update] = {}
         finished = False
         writers = [self.logprob_writer(req) for _ in jobs]
+        calls = [ToolStream.for_request(req.tools) for _ in jobs]
         try:
             if req.kind == "chat":
                 yield b"".join(sse(chat_chunk(response_id, created, model,
@@ -336,7 +340,7 @@ class _Server:
                 out: list[bytes] = []
                 for update in updates:
                     out.extend(update_events(update, req, response_id, created, model,
-                                             writers[update.index]))
+                                             writers[update.index], calls[update.index]))
                     if update.finish_reason is None:
                         continue
                     last[update.index] = update

@@ -1,5 +1,5 @@
 """``response_format``: a request's JSON mode or JSON schema as an engine
-constraint.
+constraint (and a forced tool choice's call, built in :mod:`.tools`).
 
 :func:`parse_response_format` checks OpenAI's field (``text``,
 ``json_object``, or ``json_schema`` with ``{"name", "schema", "strict"}``);
@@ -19,6 +19,7 @@ from typing import Any
 
 from ..errors import PagedKVError
 from .protocol import APIError
+from .tools import ToolRequest, call_grammar
 
 __all__ = ["parse_response_format", "constraint_for", "warm_grammar"]
 
@@ -58,27 +59,40 @@ def parse_response_format(body: dict) -> tuple[str, dict | None] | None:
     return ("json_schema", schema)
 
 
-def constraint_for(decoder: Any, body: dict) -> Any:
-    """The engine constraint of a request body's ``response_format`` (None
-    for text).
+def constraint_for(decoder: Any, body: dict, tools: ToolRequest | None = None) -> Any:
+    """The engine constraint of a request body's ``response_format``, or of
+    its forced ``tool_choice`` (``tools``, :func:`~pagedkv_np.serve.tools.call_grammar`);
+    None for neither.
 
     Raises
     ------
     APIError
-        400 naming ``response_format``: a malformed field, the extra is
-        missing, or the schema is refused.
+        400 naming ``response_format`` (a malformed field, a refused schema,
+        or one beside a forced tool choice) or ``tools`` (a ``parameters``
+        schema the grammar refuses); either when the extra is missing.
     """
     fmt = parse_response_format(body)
-    if fmt is None:
+    forced = tools is not None and tools.forced
+    if fmt is None and not forced:
         return None
-    kind, schema = fmt
+    if fmt is not None and forced:
+        raise _invalid("a JSON format cannot be combined with a required or named tool_choice")
+    name = "tools" if forced else "response_format"
+    if tools is not None and forced:
+        kind, schema = call_grammar(tools)
+    elif fmt is not None:
+        kind, schema = fmt
     try:
         return decoder.make_constraint(kind, schema)
     except ImportError:
-        raise APIError("'response_format' needs the constrain extra, which this server "
-                       "lacks: pip install 'pagedkv-np[constrain]'", param="response_format",
+        raise APIError(f"'{name}' needs the constrain extra, which this server lacks: "
+                       "pip install 'pagedkv-np[constrain]'", param=name,
                        code="unsupported_parameter") from None
     except PagedKVError as exc:
+        if forced:
+            raise APIError(f"Invalid value for 'tools': the grammar of the call refuses a "
+                           f"parameters schema: {exc}", param="tools",
+                           code="invalid_value") from None
         raise _invalid(str(exc)) from None
 
 

@@ -20,7 +20,7 @@ token's characters).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import ConfigError, ContextLengthExceeded, PagedKVError
 from ..onnxruntime.limits import RequestLimits
 from .protocol import APIError, GenerationRequest
+from .tools import detect_format
 
 try:
     from ..text.streaming import TextStream
@@ -196,6 +197,35 @@ class PromptBuilder:
         self.vocab_size = int(vocab) if vocab is not None else int(codec.vocab_size)
         self.bound = token_bound(getattr(codec, "tokenizer", None))
 
+    def bind_tools(self, req: GenerationRequest) -> GenerationRequest:
+        """``req`` with its tools in the served chat template's call format
+        (:func:`~pagedkv_np.serve.tools.detect_format`).
+
+        A template that does not read ``tools`` cannot tell the model about
+        them: such a request is a 400 naming ``tools``, unless its
+        ``tool_choice`` is ``"none"`` (then its tools are dropped).
+
+        Raises
+        ------
+        APIError
+            The template does not use tools, or cannot be read.
+        """
+        if req.tools is None:
+            return req
+        try:
+            uses = "tools" in self.codec.template_variables()
+            fmt = detect_format(self.codec.template_source())
+        except PagedKVError as exc:
+            raise APIError(str(exc), param="messages", code="invalid_prompt") from None
+        if not uses:
+            if req.tools.choice == "none":
+                return replace(req, tools=None)
+            raise APIError("Invalid value for 'tools': this model's chat template does not "
+                           "use tools, so the model cannot be told about them (send no tools, "
+                           "or tool_choice 'none')", param="tools",
+                           code="unsupported_parameter")
+        return replace(req, tools=replace(req.tools, format=fmt))
+
     def prompt_ids(self, req: GenerationRequest) -> np.ndarray:
         """The prompt's token ids, shape [n], int64 (n >= 1).
 
@@ -209,8 +239,9 @@ class PromptBuilder:
         try:
             if req.messages is not None:
                 # encode_chat, with the length check between its two steps
+                tools = {} if req.tools is None else {"tools": list(req.tools.tools)}
                 text = self.codec.apply_chat_template(list(req.messages),
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **tools)
                 self._check_length(req, text)
                 ids = self.codec.encode(text, add_special_tokens=False)
             elif isinstance(req.prompt, str):

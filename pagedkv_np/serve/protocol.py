@@ -10,8 +10,9 @@ field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``best_of``, tools) is a 400
-too, rather than silently different output. A body nested too deeply for
+server does not implement (``best_of``, ``tools`` on completions) is a 400
+too, rather than silently different output. Chat's tool fields are checked
+in :mod:`~pagedkv_np.serve.tools`. A body nested too deeply for
 the JSON parser is a 400 as well.
 """
 
@@ -20,11 +21,12 @@ from __future__ import annotations
 import json
 import numbers
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import PagedKVError
 from ..checks import is_int
+from .api_error import APIError, json_type
+from .tools import ToolRequest, message_fields, parse_tools
 
 __all__ = ["APIError", "GenerationRequest", "parse_json", "parse_chat", "parse_completion",
            "MAX_STOP_STRINGS", "MAX_LOGIT_BIAS", "MAX_STOP_TOKEN_IDS", "MAX_LOGPROBS",
@@ -40,7 +42,7 @@ KNOWN_FIELDS = frozenset({
     "top_p", "top_k", "seed", "stop", "stream", "stream_options", "cache_salt", "user", "n",
     "best_of", "presence_penalty", "frequency_penalty", "logprobs", "top_logprobs", "echo",
     "suffix", "logit_bias", "tools", "response_format", "repetition_penalty", "min_p",
-    "stop_token_ids", "ignore_eos", "min_tokens"})
+    "stop_token_ids", "ignore_eos", "min_tokens", "tool_choice", "parallel_tool_calls"})
 #: most entries of ``logit_bias`` and of ``stop_token_ids``
 MAX_LOGIT_BIAS = 1024
 MAX_STOP_TOKEN_IDS = 64
@@ -52,35 +54,6 @@ def unknown_fields(body: dict) -> list[str]:
     """The fields of a request body that no route reads (ignored, as OpenAI
     ignores them)."""
     return [name for name in body if name not in KNOWN_FIELDS]
-
-
-class APIError(PagedKVError, ValueError):
-    """A request the server answers with an OpenAI error object.
-
-    Attributes
-    ----------
-    status : int
-        HTTP status code.
-    type, code, param : str or None
-        The ``error`` object's fields (``param``: the offending field).
-    headers : dict
-        Extra response headers (``Retry-After`` for a full queue).
-    """
-
-    def __init__(self, message: str, *, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None, headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = int(status)
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = dict(headers or {})
-
-    def to_json(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code,
-                          "param": self.param}}
 
 
 @dataclass(frozen=True)
@@ -112,6 +85,8 @@ class GenerationRequest:
     options: dict = field(default_factory=dict)
     #: choices: continuations of the one prompt (``add_parallel_requests``)
     n: int = 1
+    #: chat's tools and tool_choice (None: no tools)
+    tools: ToolRequest | None = None
 
 
 def parse_json(body: bytes) -> dict:
@@ -123,29 +98,13 @@ def parse_json(body: bytes) -> dict:
     except RecursionError:
         raise APIError("The request body is nested too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise APIError(f"The request body must be a JSON object, got {_json_type(data)}",
+        raise APIError(f"The request body must be a JSON object, got {json_type(data)}",
                        code="invalid_json")
     return data
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, numbers.Integral):
-        return "an integer"
-    if isinstance(value, numbers.Real):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "an array"
-    return "an object"
-
-
 def _type_error(name: str, expected: str, value: Any) -> APIError:
-    return APIError(f"Invalid type for '{name}': expected {expected}, got {_json_type(value)}",
+    return APIError(f"Invalid type for '{name}': expected {expected}, got {json_type(value)}",
                     code="invalid_type", param=name)
 
 
@@ -226,7 +185,7 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
-def _check_unsupported(body: dict) -> None:
+def _check_unsupported(body: dict, kind: str) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
@@ -234,8 +193,8 @@ def _check_unsupported(body: dict) -> None:
         raise _unsupported("echo", "the prompt is not echoed")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "no insertion mode")
-    if body.get("tools") not in (None, []):
-        raise _unsupported("tools", "no tool calls")
+    if kind != "chat" and body.get("tools") not in (None, []):
+        raise _unsupported("tools", "tools are for /v1/chat/completions")
 
 
 def _ranged(body: dict, name: str, lo: float, hi: float, options: dict,
@@ -347,7 +306,7 @@ def _engine_options(body: dict, kind: str) -> dict:
 
 def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
             prompt: str | tuple[int, ...] | None) -> GenerationRequest:
-    _check_unsupported(body)
+    _check_unsupported(body, kind)
     max_tokens = _int(body, "max_tokens", None)
     if kind == "chat" and body.get("max_completion_tokens") is not None:
         max_tokens = _int(body, "max_completion_tokens", None)
@@ -409,7 +368,8 @@ def _message(i: int, msg: Any) -> dict:
         content = "".join(texts)
     if not isinstance(content, str):
         raise _type_error(f"{where}.content", "a string or an array of text parts", content)
-    return {"role": role, "content": _text(f"{where}.content", content)}
+    return {"role": role, "content": _text(f"{where}.content", content),
+            **message_fields(where, role, msg)}
 
 
 def parse_chat(body: dict) -> GenerationRequest:
@@ -422,7 +382,8 @@ def parse_chat(body: dict) -> GenerationRequest:
         raise _type_error("messages", "an array", messages)
     if not messages:
         raise _value_error("messages", "expected at least one message, got an empty array")
-    return _common(body, "chat", tuple(_message(i, m) for i, m in enumerate(messages)), None)
+    req = _common(body, "chat", tuple(_message(i, m) for i, m in enumerate(messages)), None)
+    return replace(req, tools=parse_tools(body))
 
 
 def parse_completion(body: dict) -> GenerationRequest:

@@ -4,7 +4,9 @@ events, usage.
 The ``*_response`` functions build a whole answer, the ``*_chunk`` functions
 one streamed event's object, :func:`update_events` the events of one engine
 :class:`~pagedkv_np.serve.engine_loop.Update` (its text, the logprobs of its
-tokens, its finish and usage).
+tokens, its finish and usage). With tools, a chat answer's calls are
+``message.tool_calls`` (whole) or ``delta.tool_calls`` (streamed), and its
+finish reason ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from .engine_loop import Update
 from .http_errors import api_error, shutdown_error
 from .logprobs import LogprobWriter
 from .protocol import GenerationRequest
+from .tools import ToolCall, ToolRequest, ToolStream, call_deltas, calls_json, parse_calls
 
 __all__ = ["usage_json", "choices_usage", "chat_response", "completion_response", "chat_chunk",
            "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "update_events"]
@@ -34,15 +37,31 @@ def choices_usage(last: list[Update]) -> dict:
                       last[0].num_cached_tokens)
 
 
+def _message(text: str, reason: str | None, tools: ToolRequest | None) -> tuple[dict, str | None]:
+    """A whole answer's message and finish reason: with tools, the calls the
+    text makes go in ``tool_calls`` and the reason is ``"tool_calls"``."""
+    calls: list[ToolCall] = []
+    content: str | None = text
+    if tools is not None and tools.parses:
+        content, calls = parse_calls(text, tools.format)
+    if not calls:
+        return {"role": "assistant", "content": text}, reason
+    message = {"role": "assistant", "content": content, "tool_calls": calls_json(calls)}
+    return message, ("tool_calls" if reason == "stop" else reason)
+
+
 def chat_response(response_id: str, created: int, model: str, choices: list[tuple],
-                  usage: dict) -> dict:
+                  usage: dict, tools: ToolRequest | None = None) -> dict:
     """A whole chat answer; ``choices``: ``(text, finish_reason, logprobs)`` of
-    each choice, in index order."""
+    each choice, in index order; ``tools``: the request's, whose calls are
+    read out of each text."""
+    out = []
+    for i, (text, reason, logprobs) in enumerate(choices):
+        message, reason = _message(text, reason, tools)
+        out.append({"index": i, "message": message, "logprobs": logprobs,
+                    "finish_reason": reason})
     return {"id": response_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs, "finish_reason": reason}
-                        for i, (text, reason, logprobs) in enumerate(choices)],
-            "usage": usage}
+            "choices": out, "usage": usage}
 
 
 def completion_response(response_id: str, created: int, model: str, choices: list[tuple],
@@ -89,10 +108,13 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 def update_events(update: Update, req: GenerationRequest, response_id: str, created: int,
-                  model: str, writer: LogprobWriter | None = None) -> list[bytes]:
+                  model: str, writer: LogprobWriter | None = None,
+                  calls: ToolStream | None = None) -> list[bytes]:
     """The server-sent events of one update, for choice ``update.index`` (its
-    tokens' logprobs ride on its text chunk, with ``writer``). The usage
-    chunk is the caller's: it follows the last choice's finish."""
+    tokens' logprobs ride on its text chunk, with ``writer``; its text goes
+    through ``calls``, which holds back a tool call until the finish, then
+    sends it as ``delta.tool_calls``). The usage chunk is the caller's: it
+    follows the last choice's finish."""
     chat = req.kind == "chat"
     if update.finish_reason in ("error", "abort"):
         err = api_error(update.error) if update.error is not None else shutdown_error()
@@ -101,13 +123,21 @@ def update_events(update: Update, req: GenerationRequest, response_id: str, crea
     index = update.index
     logprobs = (writer.format(update.logprobs)
                 if writer is not None and update.logprobs else None)
-    if update.text or logprobs is not None:
-        out.append(sse(chat_chunk(response_id, created, model, {"content": update.text},
+    text, found = update.text, list[ToolCall]()
+    if calls is not None:
+        text = calls.feed(text)
+        if update.finish_reason is not None:
+            rest, found = calls.finish()
+            text += rest
+    if text or logprobs is not None:
+        out.append(sse(chat_chunk(response_id, created, model, {"content": text},
                                   logprobs=logprobs, index=index)
                        if chat else completion_chunk(response_id, created, model,
-                                                     update.text, logprobs=logprobs,
+                                                     text, logprobs=logprobs,
                                                      index=index)))
-    reason = update.finish_reason
+    out.extend(sse(chat_chunk(response_id, created, model, delta, index=index))
+               for delta in call_deltas(found))
+    reason = "tool_calls" if found and update.finish_reason == "stop" else update.finish_reason
     if reason is not None:
         out.append(sse(chat_chunk(response_id, created, model, {}, reason, index=index) if chat
                        else completion_chunk(response_id, created, model, "", reason,

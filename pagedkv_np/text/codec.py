@@ -31,6 +31,7 @@ from ..errors import (ChatTemplateError, ConfigError, DTypeError, InvalidTextErr
 try:
     import jinja2
     import jinja2.ext
+    import jinja2.meta
     import jinja2.nodes
     import jinja2.sandbox
     import tokenizers
@@ -184,6 +185,7 @@ class TextCodec:
         self.chat_templates = self._parse_templates(chat_template)
         self._env = _environment()
         self._compiled: dict[str, Any] = {}
+        self._variables: dict[str, frozenset[str]] = {}
 
     @staticmethod
     def _parse_templates(template: Any) -> dict[str, str]:
@@ -283,7 +285,7 @@ class TextCodec:
         return self.tokenizer.decode([int(i) for i in ids],
                                      skip_special_tokens=skip_special_tokens)
 
-    def _template(self, name: str | None) -> Any:
+    def _template_key(self, name: str | None) -> str:
         if not self.chat_templates:
             raise ChatTemplateError("the tokenizer has no chat template (tokenizer_config.json "
                                     "has no chat_template)")
@@ -292,6 +294,37 @@ class TextCodec:
         if key not in self.chat_templates:
             raise ChatTemplateError(f"Invalid template_name: no template {key!r}; the "
                                     f"tokenizer has {sorted(self.chat_templates)}")
+        return key
+
+    def template_variables(self, template_name: str | None = None) -> frozenset[str]:
+        """The variables a chat template reads from its context (``messages``,
+        ``tools``, ...), as jinja2 finds them in its source.
+
+        Raises
+        ------
+        ChatTemplateError
+            No template, or it does not compile.
+        """
+        key = self._template_key(template_name)
+        if key not in self._variables:
+            self._template(key)
+            ast = self._env.parse(self.chat_templates[key])
+            self._variables[key] = frozenset(jinja2.meta.find_undeclared_variables(ast))
+        return self._variables[key]
+
+    def template_source(self, template_name: str | None = None) -> str:
+        """The text of a chat template (the one :meth:`apply_chat_template`
+        would use).
+
+        Raises
+        ------
+        ChatTemplateError
+            No template of that name.
+        """
+        return self.chat_templates[self._template_key(template_name)]
+
+    def _template(self, name: str | None) -> Any:
+        key = self._template_key(name)
         if key not in self._compiled:
             try:
                 self._compiled[key] = self._env.from_string(self.chat_templates[key])
