@@ -20,7 +20,7 @@ from tokenizers import Tokenizer  # noqa: E402
 
 from pagedkv_np.serve.api_error import APIError  # noqa: E402
 from pagedkv_np.serve.tools import (ToolCall, ToolStream, call_grammar, detect_format,  # noqa: E402
-                                    parse_calls, parse_tools)
+                                    message_fields, parse_calls, parse_tools)
 from test_serve import MODEL, NUM_PAGES, PAGE_SIZE, Server, assert_error, build_folder  # noqa: E402
 from test_serve_sampling import valid  # noqa: E402
 
@@ -120,6 +120,18 @@ def test_tool_stream_matches_whole_parse(fmt, text):
             assert out.strip() == (whole_content or "")
         else:
             assert out + rest == text
+
+
+def test_deep_json_is_no_call_and_a_400():
+    """JSON nested past Python's recursion limit is plain text in an answer,
+    and a 400 naming the field in a history's call."""
+    deep = "[" * 100_000
+    assert parse_calls("<tool_call>" + deep, "hermes") == ("<tool_call>" + deep, [])
+    assert parse_calls('{"name": "f", "parameters": ' + deep, "llama3_json")[1] == []
+    with pytest.raises(APIError) as info:
+        message_fields("messages[1]", "assistant", {"tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": deep}}]})
+    assert info.value.param == "messages[1].tool_calls[0].function.arguments"
 
 
 def test_detect_format():
@@ -255,14 +267,55 @@ def test_parallel_forced_calls(server):
     pytest.importorskip("llguidance", reason="the constrain extra is not installed")
     got = server.client().chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
-        parallel_tool_calls=True, max_tokens=400, temperature=1, seed=11, n=2)
+        parallel_tool_calls=True, max_tokens=120, temperature=1, seed=11, n=2)
     for choice in got.choices:
-        if choice.finish_reason == "length":   # a run of calls may outlast max_tokens
-            continue
-        assert choice.finish_reason == "tool_calls"
-        assert choice.message.tool_calls
-        for call in choice.message.tool_calls:
-            check_call(call.function.name, call.function.arguments)
+        if choice.finish_reason == "length":
+            # a run of calls outlasted max_tokens: no calls are read out of
+            # it, and its whole calls validate
+            assert choice.message.tool_calls is None
+            text = choice.message.content
+            calls = parse_calls(text[:text.rfind("</tool_call>") + 12], "hermes")[1]
+        else:
+            assert choice.finish_reason == "tool_calls"
+            calls = [ToolCall(c.function.name, c.function.arguments)
+                     for c in choice.message.tool_calls]
+        assert len(calls) >= 1, choice
+        for call in calls:
+            check_call(call.name, call.arguments)
+
+
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json"])
+def test_forced_grammar_in_the_engine(folder, fmt):
+    """The constraint of each format, run by the real engine at a high
+    temperature: every answer parses, in that format, into calls that
+    validate; with parallel_tool_calls some answers hold several."""
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    from dataclasses import replace
+
+    from pagedkv_np.onnxruntime import OrtDecoder
+
+    dec = OrtDecoder.from_pretrained(str(folder), num_pages=128, page_size=PAGE_SIZE,
+                                     max_batch_size=4)
+    prompt = dec.text.encode_chat(ASK)
+    counts = []
+    for parallel in (False, True):
+        req = replace(parse_tools({"tools": TOOLS, "tool_choice": "required",
+                                   "parallel_tool_calls": parallel}), format=fmt)
+        constraint = dec.make_constraint(*call_grammar(req))
+        outs = dec.generate([prompt] * 4, 300, temperature=2.0, seed=5, constraint=constraint)
+        for out in outs:
+            text = dec.text.decode(out)
+            if len(out) == 300:   # a run of calls cut by the budget: its whole calls
+                assert parallel, text
+                text = (text[:text.rfind("</tool_call>") + len("</tool_call>")]
+                        if fmt == "hermes" else text[:text.rfind("; ")])
+            content, calls = parse_calls(text, fmt)
+            assert calls and content is None, text
+            assert parallel or len(calls) == 1
+            for call in calls:
+                check_call(call.name, call.arguments)
+            counts.append(len(calls))
+    assert max(counts) > 1, counts
 
 
 def test_auto_and_none_answer_plain_text(server):

@@ -222,8 +222,9 @@ def _history_call(where: str, call: Any) -> dict:
     if isinstance(args, str):
         try:
             args = json.loads(args or "{}")
-        except ValueError:
-            raise _invalid(f"{where}.function.arguments", "not JSON text") from None
+        except (ValueError, RecursionError):
+            raise _invalid(f"{where}.function.arguments", "not JSON text (or nested too "
+                                                          "deeply)") from None
     if not isinstance(args, dict):
         raise _wrong_type(f"{where}.function.arguments", "JSON text of an object", args)
     out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
@@ -315,7 +316,7 @@ def _call(obj: Any) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -338,7 +339,7 @@ def _hermes_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         inner, rest = (body, "") if end < 0 else (body[:end], body[end + len(_CLOSE):])
         try:
             call = _call(json.loads(inner))
-        except ValueError:
+        except (ValueError, RecursionError):
             call = None
         if call is None:
             return text, []
@@ -356,7 +357,7 @@ def _json_calls(text: str) -> tuple[str | None, list[ToolCall]]:
     while pos < len(body):
         try:
             obj, pos = decoder.raw_decode(body, pos)
-        except ValueError:
+        except (ValueError, RecursionError):
             return text, []
         call = _call(obj)
         if call is None or "name" not in obj or not ("parameters" in obj or "arguments" in obj):
