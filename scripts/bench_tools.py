@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from pagedkv_np.onnxruntime import OrtDecoder
-    from pagedkv_np.serve.tools import call_grammar, parse_calls, parse_tools
+    from pagedkv_np.serve.tool_calls import parse_calls
+    from pagedkv_np.serve.tools import call_grammar, parse_tools
 
     dec = OrtDecoder.from_pretrained(num_pages=512, page_size=16, max_batch_size=8)
     print(f"# {dec.grammar_tokenizer} built before any timing; load average "

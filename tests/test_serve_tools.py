@@ -19,8 +19,8 @@ import jinja2.sandbox  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from pagedkv_np.serve.api_error import APIError  # noqa: E402
-from pagedkv_np.serve.tools import (ToolCall, ToolStream, call_grammar, detect_format,  # noqa: E402
-                                    message_fields, parse_calls, parse_tools)
+from pagedkv_np.serve.tool_calls import ToolCall, ToolStream, detect_format, parse_calls  # noqa: E402
+from pagedkv_np.serve.tools import call_grammar, message_fields, parse_tools  # noqa: E402
 from test_serve import MODEL, NUM_PAGES, PAGE_SIZE, Server, assert_error, build_folder  # noqa: E402
 from test_serve_sampling import valid  # noqa: E402
 

@@ -69,7 +69,7 @@ from .protocol import (APIError, GenerationRequest, parse_chat, parse_completion
 from .responses import (SSE_DONE, chat_chunk, chat_response, choices_usage,
                         completion_response, sse, update_events, usage_chunk)
 from .tokenize import Tokenizing
-from .tools import ToolStream
+from .tools import tool_stream
 
 if TYPE_CHECKING:
     from ..onnxruntime import OrtDecoder
@@ -326,7 +326,7 @@ class _Server:
         last: dict[int, Update] = {}
         finished = False
         writers = [self.logprob_writer(req) for _ in jobs]
-        calls = [ToolStream.for_request(req.tools) for _ in jobs]
+        calls = [tool_stream(req.tools) for _ in jobs]
         try:
             if req.kind == "chat":
                 yield b"".join(sse(chat_chunk(response_id, created, model,

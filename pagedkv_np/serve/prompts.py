@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import ConfigError, ContextLengthExceeded, PagedKVError
 from ..onnxruntime.limits import RequestLimits
 from .protocol import APIError, GenerationRequest
-from .tools import detect_format
+from .tool_calls import detect_format
 
 try:
     from ..text.streaming import TextStream
@@ -199,7 +199,7 @@ class PromptBuilder:
 
     def bind_tools(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with its tools in the served chat template's call format
-        (:func:`~pagedkv_np.serve.tools.detect_format`).
+        (:func:`~pagedkv_np.serve.tool_calls.detect_format`).
 
         A template that does not read ``tools`` cannot tell the model about
         them: such a request is a 400 naming ``tools``, unless its

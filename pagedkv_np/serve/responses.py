@@ -17,7 +17,8 @@ from .engine_loop import Update
 from .http_errors import api_error, shutdown_error
 from .logprobs import LogprobWriter
 from .protocol import GenerationRequest
-from .tools import ToolCall, ToolRequest, ToolStream, call_deltas, calls_json, parse_calls
+from .tool_calls import ToolCall, ToolStream, call_deltas, calls_json, parse_calls
+from .tools import ToolRequest
 
 __all__ = ["usage_json", "choices_usage", "chat_response", "completion_response", "chat_chunk",
            "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "update_events"]
