@@ -171,7 +171,7 @@ def test_bad_metadata_raises_a_typed_error(case):
     assert fields == kept      # the caller's metadata is left as it was
 
 
-def _write_llama_gguf(path, fields):
+def _write_llama_gguf(path, fields, add_eos=None):
     """A one-layer float32 llama GGUF holding the vocabulary (random weights)."""
     rng = np.random.default_rng(0)
     vocab, hidden, ffn, heads, kv_heads, head_dim = len(fields["tokens"]), 32, 32, 2, 1, 16
@@ -192,6 +192,8 @@ def _write_llama_gguf(path, fields):
     w.add_eos_token_id(fields["bos_token_id"] + 1)
     w.add_unk_token_id(fields["unknown_token_id"])
     w.add_add_bos_token(True)
+    if add_eos is not None:
+        w.add_add_eos_token(add_eos)
     w.add_add_space_prefix(fields["add_space_prefix"])
     shapes = {"token_embd.weight": (vocab, hidden), "output_norm.weight": (hidden,),
               "blk.0.attn_norm.weight": (hidden,), "blk.0.ffn_norm.weight": (hidden,),
@@ -261,3 +263,101 @@ def test_gemma3_vocabulary_equals_sentencepiece():
     assert len(tok.encode("<start_of_turn>user\n", add_special_tokens=False).ids) == 3
     assert types[tok.token_to_id("<start_of_turn>")] == CONTROL
     assert types[tok.token_to_id("\n\n")] == USER_DEFINED
+
+
+def _merges_one_cut_at_a_time(tokens, types, scores):
+    """Every split of a normal token into two normal tokens, highest join first
+    (ties: lower id, then shorter left part): the definition, written out."""
+    normal = {t for t, kind in zip(tokens, types) if kind == 1}
+    found = [(-scores[i], i, cut) for i, t in enumerate(tokens) if types[i] == 1
+             for cut in range(1, len(t)) if t[:cut] in normal and t[cut:] in normal]
+    return [(tokens[i][:cut], tokens[i][cut:]) for _, i, cut in sorted(found)]
+
+
+def _random_vocabulary(rng, size):
+    alphabet = ["a", "b", "c", "▁", "é", "日", "\U0001f600", " ", "<", ">"]
+    tokens = list(dict.fromkeys(["".join(rng.choice(alphabet, size=rng.integers(1, 7)))
+                                 for _ in range(size)] + alphabet + [""]))
+    types = [int(rng.choice([1, 1, 1, 1, 3, 4, 6])) for _ in tokens]
+    scores = [float(s) for s in rng.integers(-20, 0, size=len(tokens))]   # many ties
+    return tokens, types, scores
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_merges_from_scores_equal_every_cut_looked_up(seed):
+    """The hashed, vectorised derivation against the plain definition, on
+    vocabularies with ties, empty and non-normal tokens and characters beyond
+    the BMP; the first seeds also with every hash of a token equal to the sum
+    of its characters (anagrams collide), which the derivation must survive."""
+    from pagedkv_np.models.gguf import merges
+
+    rng = np.random.default_rng(seed)
+    tokens, types, scores = _random_vocabulary(rng, 3000)
+    want = _merges_one_cut_at_a_time(tokens, types, scores)
+    assert len(want) > 200
+    assert merges.merges_from_scores(tokens, types, scores) == want
+    if seed < 2:
+        base = merges._HASH_BASE
+        try:
+            merges._HASH_BASE, merges._HASH_INVERSE = 1, 1
+            assert merges.merges_from_scores(tokens, types, scores) == want
+            # no two tokens collide, but the side "ab" of "cab" collides with "ba":
+            # each hit is confirmed character by character
+            assert merges.merges_from_scores(["a", "b", "c", "ba", "cab"], [1] * 5,
+                                             [0.0] * 5) == [("b", "a")]
+        finally:
+            merges._HASH_BASE, merges._HASH_INVERSE = base, pow(base, -1, 2 ** 64)
+
+
+@pytest.mark.parametrize("name", ["bpe", "unigram-nfkc"])
+def test_tokenizer_json_is_the_built_tokenizer(name):
+    """The text written to tokenizer.json (merges added as JSON) loads into a
+    tokenizer that encodes as build_tokenizer's does."""
+    from pagedkv_np.models.gguf.tokenizer import tokenizer_json
+
+    model_type, options = MODELS[name]
+    fields = gguf_fields(train(model_type, **options))
+    built, text = build_tokenizer(**fields), tokenizer_json(**fields)
+    assert json.loads(text) == json.loads(built.to_str())
+    loaded = tokenizers.Tokenizer.from_str(text)
+    for text in TEXTS[:50]:
+        assert loaded.encode(text).ids == built.encode(text).ids
+
+
+def test_add_eos_token_ends_each_encoding_with_eos():
+    """tokenizer.ggml.add_eos_token, like add_bos_token, in the post-processor."""
+    sp, _ = _model("bpe")
+    fields = gguf_fields(train("bpe"))
+    eos = sp.eos_id()
+    both = build_tokenizer(**fields, eos_token_id=eos, add_eos_token=True)
+    assert both.encode("hi").ids == [sp.bos_id()] + sp.encode("hi") + [eos]
+    assert both.encode("hi", add_special_tokens=False).ids == sp.encode("hi")
+    assert both.encode("hi", "yo").ids == ([sp.bos_id()] + sp.encode("hi") + [eos]
+                                           + [sp.bos_id()] + sp.encode("yo") + [eos])
+    only = build_tokenizer(**{**fields, "add_bos_token": False}, eos_token_id=eos,
+                           add_eos_token=True)
+    assert only.encode("hi").ids == sp.encode("hi") + [eos]
+    unset = build_tokenizer(**fields, eos_token_id=eos)
+    assert unset.encode("hi").ids == [sp.bos_id()] + sp.encode("hi")
+    with pytest.raises(UnsupportedModelError, match="eos token id"):
+        build_tokenizer(**fields, eos_token_id=len(fields["tokens"]), add_eos_token=True)
+
+
+def test_imported_folder_honours_add_eos_token(tmp_path):
+    sp, _ = _model("bpe")
+    fields = gguf_fields(train("bpe"))
+    _write_llama_gguf(tmp_path / "m.gguf", fields, add_eos=True)
+    folder = convert_gguf(tmp_path / "m.gguf", tmp_path / "out", weights="float32")
+    assert json.loads((folder / "tokenizer_config.json").read_text())["add_eos_token"] is True
+    eos = fields["bos_token_id"] + 1            # what _write_llama_gguf names
+    assert list(TextCodec.from_folder(folder).encode("Hello world")) == \
+        [sp.bos_id()] + sp.encode("Hello world") + [eos]
+
+
+def test_byte_level_merge_whose_join_is_no_token_is_refused():
+    """tokenizers panics on such a merge (PanicException, no PagedKVError)."""
+    fields = dict(model="gpt2", pre="gpt-2", tokens=["a", "b", "ab", "c"],
+                  token_types=[1] * 4, bos_token_id=None, add_bos_token=False)
+    assert build_tokenizer(**fields, merges=["a b"]).encode("ab").tokens == ["ab"]
+    with pytest.raises(UnsupportedModelError, match="'b c'"):
+        build_tokenizer(**fields, merges=["a b", "b c"])

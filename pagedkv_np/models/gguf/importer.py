@@ -8,7 +8,7 @@ onnxruntime-genai both load::
     config.json                   Hugging Face style geometry
     generation_config.json        bos / eos
     tokenizer.json                rebuilt from the GGUF vocabulary and merges
-    tokenizer_config.json         chat template, bos / eos, add_bos_token
+    tokenizer_config.json         chat template, bos / eos, add_bos_token, add_eos_token
     genai_config.json             onnxruntime-genai's description of the decoder
 
 Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral), ``qwen2``,
@@ -96,7 +96,7 @@ from ...log import long_wait
 from ..geometry import DecoderGeometry
 from .reader import (ARCHITECTURES, SUPPORTED_TYPES, GGUFFile, GGUFFormatError, kept_blocks,
                      read_geometry, read_weights)
-from .tokenizer import build_tokenizer
+from .tokenizer import tokenizer_json
 from ..graph import build_decoder, save_decoder
 from ...errors import UnsupportedModelError
 
@@ -138,12 +138,14 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
         raise GGUFFormatError(f"{f.path!r}: {len(tokens)} tokens but an embedding of "
                               f"{c.vocab_size} rows")
     add_bos = bool(f.get("tokenizer.ggml.add_bos_token", arch == "llama", kind=bool))
-    tokenizer = build_tokenizer(
+    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False, kind=bool))
+    tokenizer = tokenizer_json(
         model=f.get("tokenizer.ggml.model", "", kind=str),
         pre=f.get("tokenizer.ggml.pre", "gpt-2", kind=str), tokens=tokens,
         token_types=f.get("tokenizer.ggml.token_type", kind=list),
         merges=f.get("tokenizer.ggml.merges", [], kind=list), bos_token_id=bos,
-        add_bos_token=add_bos, scores=f.get("tokenizer.ggml.scores", kind=list),
+        add_bos_token=add_bos, eos_token_id=eos, add_eos_token=add_eos,
+        scores=f.get("tokenizer.ggml.scores", kind=list),
         unknown_token_id=f.get("tokenizer.ggml.unknown_token_id"),
         add_space_prefix=f.get("tokenizer.ggml.add_space_prefix", kind=bool))
     spec = ARCHITECTURES[arch]
@@ -167,7 +169,7 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
                          if c.rope_scale != 1.0 else None)}
     if c.local_rope:
         config["rope_local_base_freq"] = c.rope_local_theta
-    tok_config = {"add_bos_token": add_bos, "add_eos_token": False, "bos_token": token(bos),
+    tok_config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "bos_token": token(bos),
                   "eos_token": token(eos), "pad_token": token(pad),
                   "chat_template": f.get("tokenizer.chat_template", kind=str),
                   "model_max_length": c.max_positions, "clean_up_tokenization_spaces": False,
@@ -306,7 +308,7 @@ def _build(header: _Header, folder: Path, opts: _Options, provenance: dict) -> N
     del tensors
     save_decoder(model, folder)
     del model
-    text["tokenizer.json"].save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer.json").write_text(text["tokenizer.json"], encoding="utf-8")
     text["config.json"]["pagedkv_np"] = dict(provenance, max_context=c.max_positions,
                                              file_context_length=file_context)
     for name, value in text.items():
