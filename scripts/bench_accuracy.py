@@ -23,7 +23,8 @@ rows
     One-node ``MatMulNBits`` models (4-bit block 32, 8-bit blocks 32 and
     16, levels 0 and 4) and a float ``MatMul``: is a row's output bit for
     bit the same alone (M=1) and inside batches of M rows, at 1 and 2
-    threads?
+    threads? And a call's median time at M=1 and M=2 (what feeding every
+    decode step at least two rows would cost a layer).
 determinism
     The greedy tokens of the same chat prompts through ``OrtDecoder``,
     alone and uncached (the reference), again with the prompt cached
@@ -56,7 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 LICENSES = ("GPL-2", "GPL-3", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")
 LICENSE_DIR = Path("/usr/share/common-licenses")
-LEVELS = (0, 4)
+#: name -> import options; "level 0" is the baseline every other is compared with
+CONFIGS = {"level 0": {"accuracy_level": 0, "head_accuracy_level": 0},
+           "level 4": {"accuracy_level": 4, "head_accuracy_level": 4},
+           "head 4": {"accuracy_level": 0, "head_accuracy_level": 4}}
 CHATS = ("What is the capital of France?",
          "Write a short story about a clockmaker and his cat.",
          "Explain in three sentences why the sky is blue.",
@@ -73,10 +77,25 @@ def license_text() -> str:
     return "\n\n".join((LICENSE_DIR / n).read_text(encoding="utf-8") for n in LICENSES)
 
 
-def folders(model: str) -> dict[int, Path]:
+def folders(model: str, names: list[str]) -> dict[str, Path]:
+    """The imported folder of each named configuration; an option this
+    importer lacks (``head_accuracy_level``) drops the configurations that
+    need it and is left out of the others."""
+    import inspect
+
     from pagedkv_np.models.gguf.importer import import_gguf
 
-    return {level: import_gguf(model, accuracy_level=level) for level in LEVELS}
+    known = inspect.signature(import_gguf).parameters
+    out = {}
+    for name in names:
+        options = CONFIGS[name]
+        if "head_accuracy_level" not in known:
+            if options["head_accuracy_level"] != options["accuracy_level"]:
+                print(f"({name}: this importer has no head_accuracy_level)", flush=True)
+                continue
+            options = {"accuracy_level": options["accuracy_level"]}
+        out[name] = import_gguf(model, **options)
+    return out
 
 
 def text_tokens(folder: Path, text: str) -> tuple[np.ndarray, int | None]:
@@ -120,9 +139,7 @@ class WindowScorer:
                 feed[name] = np.zeros((1, heads, 0, dim), np.float32)
             elif name == "position_ids":
                 feed[name] = np.arange(len(window), dtype=np.int64)[None]
-            elif name == "logits_to_keep":      # 0: every position
-                feed[name] = np.zeros(1, np.int64)
-            elif name == "logits_to_keep":
+            elif name in ("num_logits_to_keep", "logits_to_keep"):     # 0: every position
                 feed[name] = np.zeros(1, np.int64)
         return self.session.run(["logits"], feed)[0][0]
 
@@ -133,46 +150,54 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def score(model: str, text: str, n_ctx: int, threads: int, max_windows: int | None) -> dict:
-    """Per level: NLL of every scored token; between levels: KL and top-1 agreement."""
-    paths = folders(model)
-    tokens, bos = text_tokens(paths[0], text)
+def score(model: str, names: list[str], text: str, n_ctx: int, threads: int,
+          max_windows: int | None) -> dict:
+    """Per configuration: NLL of every scored token, and KL from the first
+    configuration's next-token distribution and top-1 agreement with it."""
+    paths = folders(model, names)
+    names = list(paths)
+    base = names[0]
+    tokens, bos = text_tokens(paths[base], text)
     num_windows = len(tokens) // n_ctx
     if num_windows < 2:
         sys.exit(f"the text has {len(tokens)} tokens: at least {2 * n_ctx} are needed")
     if max_windows:
         num_windows = min(num_windows, max_windows)
-    scorers = {level: WindowScorer(paths[level], threads) for level in LEVELS}
+    scorers = {name: WindowScorer(paths[name], threads) for name in names}
     first = n_ctx // 2
-    nll: dict[int, list[np.ndarray]] = {level: [] for level in LEVELS}
-    kl, same_top, seconds = [], 0, {level: 0.0 for level in LEVELS}
+    nll: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    kl: dict[str, list[np.ndarray]] = {name: [] for name in names}
+    same_top = {name: 0 for name in names}
+    seconds = {name: 0.0 for name in names}
     for w in range(num_windows):
         window = tokens[w * n_ctx:(w + 1) * n_ctx].copy()
         if bos is not None:
             window[0] = bos
         target = window[first + 1:]
         logp = {}
-        for level in LEVELS:
+        for name in names:
             t0 = time.perf_counter()
-            logits = scorers[level].logits(window)
-            seconds[level] += time.perf_counter() - t0
-            logp[level] = log_softmax(logits[first:n_ctx - 1])
-            nll[level].append(-logp[level][np.arange(len(target)), target])
-        p0 = np.exp(logp[0])
-        kl.append((p0 * (logp[0] - logp[4])).sum(axis=-1))
-        same_top += int((logp[0].argmax(-1) == logp[4].argmax(-1)).sum())
+            logits = scorers[name].logits(window)
+            seconds[name] += time.perf_counter() - t0
+            logp[name] = log_softmax(logits[first:n_ctx - 1])
+            nll[name].append(-logp[name][np.arange(len(target)), target])
+        p0 = np.exp(logp[base])
+        for name in names:
+            kl[name].append((p0 * (logp[base] - logp[name])).sum(axis=-1))
+            same_top[name] += int((logp[base].argmax(-1) == logp[name].argmax(-1)).sum())
         print(f"  window {w + 1}/{num_windows}: NLL " + ", ".join(
-            f"level {lv} {np.concatenate(nll[lv]).mean():.5f}" for lv in LEVELS), flush=True)
+            f"{n} {np.concatenate(nll[n]).mean():.5f}" for n in names), flush=True)
     out: dict = {"num_tokens": len(tokens), "num_windows": num_windows,
-                 "num_scored": int(sum(len(x) for x in nll[0]))}
-    for level in LEVELS:
-        values = np.concatenate(nll[level])
+                 "num_scored": int(sum(len(x) for x in nll[base]))}
+    for name in names:
+        values = np.concatenate(nll[name])
         mean = float(values.mean())
         stderr = float(np.sqrt(max((values ** 2).mean() - mean ** 2, 0.0) / (len(values) - 1)))
-        out[level] = {"nll": mean, "ppl": float(np.exp(mean)),
-                      "ppl_pm": stderr * float(np.exp(mean)), "seconds": seconds[level]}
-    out["kl"] = float(np.concatenate(kl).mean())
-    out["same_top"] = same_top / out["num_scored"]
+        out[name] = {"nll": mean, "ppl": float(np.exp(mean)),
+                     "ppl_pm": stderr * float(np.exp(mean)), "seconds": seconds[name],
+                     "kl": float(np.concatenate(kl[name]).mean()),
+                     "same_top": same_top[name] / len(values)}
+    out["names"] = names
     return out
 
 
@@ -213,21 +238,24 @@ def run_nll(args: argparse.Namespace) -> None:
         text = Path(text_path).read_text(encoding="utf-8")
         print(f"== nll: {os.path.basename(args.model)}, {len(text):,} characters, "
               f"windows of {args.ctx}, second halves scored", flush=True)
-        ours = score(args.model, text, args.ctx, args.threads, args.windows)
+        ours = score(args.model, args.configs, text, args.ctx, args.threads, args.windows)
         peer = None if args.no_llamacpp else llama_perplexity(args.model, text_path, args.ctx,
                                                              args.threads, args.windows)
-    base = ours[0]["nll"]
+    names = ours["names"]
+    base = ours[names[0]]["nll"]
     print(f"\n{ours['num_tokens']:,} tokens, {ours['num_windows']} windows, "
           f"{ours['num_scored']:,} tokens scored")
-    print(f"{'':22} {'NLL':>8} {'PPL':>9} {'+/-':>8} {'NLL vs level 0':>15} {'seconds':>8}")
-    rows = [(f"accuracy_level {lv}", ours[lv]) for lv in LEVELS]
+    print(f"{'':22} {'NLL':>8} {'PPL':>9} {'+/-':>8} {'NLL vs ' + names[0]:>15} {'seconds':>8}"
+          f" {'KL':>9} {'same top':>8}")
+    rows = [(name, ours[name]) for name in names]
     if peer is not None:
         rows.append((f"llama-perplexity ({peer['num_windows']} w)", peer))
     for name, r in rows:
         print(f"{name:22} {r['nll']:8.5f} {r['ppl']:9.4f} {r['ppl_pm']:8.4f} "
-              f"{100 * (r['nll'] / base - 1):+14.3f}% {r['seconds']:8.1f}")
-    print(f"KL(level 0 || level 4) per token {ours['kl']:.6f}; "
-          f"same top token {100 * ours['same_top']:.2f}%")
+              f"{100 * (r['nll'] / base - 1):+14.3f}% {r['seconds']:8.1f}"
+              + (f" {r['kl']:9.6f} {100 * r['same_top']:7.2f}%" if "kl" in r else ""))
+    print(f"KL: mean per scored token of KL({names[0]} || row); same top: the scored "
+          f"positions whose most likely token is {names[0]}'s")
 
 
 # ----------------------------------------------------------------------- rows
@@ -283,20 +311,34 @@ def run_rows(args: argparse.Namespace) -> None:
                 bad = np.flatnonzero(diff)
                 report.append(f"M={m}: {len(bad)}" + (f" (max {diff.max():.1e})" if len(bad)
                                                       else ""))
-            print(f"{name:22} threads {threads}: " + ", ".join(report), flush=True)
+            times = [row_time(sess, x[:m]) for m in (1, 2)]
+            print(f"{name:22} threads {threads}: " + ", ".join(report)
+                  + f"; ms at M=1 {times[0]:.3f}, M=2 {times[1]:.3f}", flush=True)
+
+
+def row_time(sess, x: np.ndarray, repeat: int = 200) -> float:
+    """Median ms of one call."""
+    feed = {"x": x}
+    sess.run(None, feed)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
 
 
 # ---------------------------------------------------------------- determinism
 def run_determinism(args: argparse.Namespace) -> None:
     from pagedkv_np.onnxruntime import OrtDecoder
 
-    paths = folders(args.model)
-    for level in LEVELS:
-        dec = OrtDecoder.from_pretrained(str(paths[level]))
+    paths = folders(args.model, args.configs)
+    for name, path in paths.items():
+        dec = OrtDecoder.from_pretrained(str(path))
         prompts = [dec.encode_chat([{"role": "system", "content": SYSTEM},
                                     {"role": "user", "content": c}]).tolist() for c in CHATS]
         tokens = args.tokens
-        cold = OrtDecoder.from_pretrained(str(paths[level]), enable_prefix_caching=False)
+        cold = OrtDecoder.from_pretrained(str(path), enable_prefix_caching=False)
         alone = [cold.generate([p], max_new_tokens=tokens)[0] for p in prompts]
         dec.generate([prompts[0]], max_new_tokens=1)   # the shared system prompt: cached
         cached = [dec.generate([p], max_new_tokens=tokens)[0] for p in prompts]
@@ -308,7 +350,7 @@ def run_determinism(args: argparse.Namespace) -> None:
         streamed = ["".join(cold.stream_chat([{"role": "system", "content": SYSTEM},
                                               {"role": "user", "content": c}],
                                              max_new_tokens=tokens)) for c in CHATS]
-        print(f"== determinism, accuracy_level {level}: {len(CHATS)} chats, "
+        print(f"== determinism, {name} ({CONFIGS[name]}): {len(CHATS)} chats, "
               f"{tokens} greedy tokens")
         for name, got in (("cached", cached), ("batch of 4", batch)):
             firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
@@ -339,6 +381,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads (default 2)")
     parser.add_argument("--tokens", type=int, default=48,
                         help="determinism: greedy tokens per chat (default 48)")
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS),
+                        default=["level 0", "level 4"],
+                        help="import options compared, the first the baseline "
+                             "(default: 'level 0' 'level 4'; 'head 4': level 4 for the LM "
+                             "head only)")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="nll: skip llama-perplexity")
     args = parser.parse_args(argv)
