@@ -318,6 +318,53 @@ def test_forced_grammar_in_the_engine(folder, fmt):
     assert max(counts) > 1, counts
 
 
+ORDER = {"type": "object",
+         "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 2,
+                                  "items": {"$ref": "#/$defs/Item"}}},
+         "required": ["items"], "additionalProperties": False,
+         "$defs": {"Item": {"type": "object",
+                            "properties": {"kind": {"enum": ["tea", "milk"]},
+                                           "size": {"$ref": "#/definitions/Size"}},
+                            "required": ["kind", "size"], "additionalProperties": False}},
+         "definitions": {"Size": {"enum": ["small", "large"]}}}
+
+
+def test_forced_call_with_defs_in_the_engine(folder):
+    """Parameters that refer to their own $defs (as pydantic writes them):
+    the references still resolve inside the call's grammar, for the named
+    tool beside another tool with a definition of the same name."""
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    from dataclasses import replace
+
+    from pagedkv_np.onnxruntime import OrtDecoder
+
+    other = {"type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}},
+             "required": ["x"], "$defs": {"Item": {"type": "integer"}}}
+    tools = [{"type": "function", "function": {"name": "order", "parameters": ORDER}},
+             {"type": "function", "function": {"name": "other", "parameters": other}}]
+    dec = OrtDecoder.from_pretrained(str(folder), num_pages=64, page_size=PAGE_SIZE,
+                                     max_batch_size=4)
+    for choice in ("required", {"type": "function", "function": {"name": "order"}}):
+        req = replace(parse_tools({"tools": tools, "tool_choice": choice}), format="hermes")
+        constraint = dec.make_constraint(*call_grammar(req))
+        outs = dec.generate([dec.text.encode_chat(ASK)] * 4, 200, temperature=2.0, seed=3,
+                            constraint=constraint)
+        for out in outs:
+            text = dec.text.decode(out)
+            _, calls = parse_calls(text, "hermes")
+            assert len(calls) == 1, text
+            args = json.loads(calls[0].arguments)
+            if calls[0].name == "other":
+                assert choice == "required"
+                assert isinstance(args["x"], int) and not isinstance(args["x"], bool), text
+                continue
+            assert calls[0].name == "order" and set(args) == {"items"}, text
+            assert 1 <= len(args["items"]) <= 2
+            for item in args["items"]:
+                assert item["kind"] in ("tea", "milk") and item["size"] in ("small", "large")
+                assert set(item) == {"kind", "size"}
+
+
 def test_auto_and_none_answer_plain_text(server):
     """This random model writes no call unprompted: auto and none give its
     plain text, the same text as without tools' parsing (tool_choice none)."""

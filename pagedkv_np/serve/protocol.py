@@ -60,8 +60,9 @@ def unknown_fields(body: dict) -> list[str]:
 class GenerationRequest:
     """A checked request of either endpoint.
 
-    Exactly one of ``messages`` (chat: role/content string pairs, ready for
-    the chat template) and ``prompt`` (completions: text, or token ids) is set.
+    Exactly one of ``messages`` (chat: role/content string pairs, with an
+    assistant's ``tool_calls`` and a tool message's ``tool_call_id``, ready
+    for the chat template) and ``prompt`` (completions: text, or token ids) is set.
     ``max_tokens`` None means "up to the context length".
     """
 

@@ -244,13 +244,49 @@ def message_fields(where: str, role: str, msg: dict) -> dict:
     return out
 
 
-def _call_schema(tool: dict, key: str) -> dict:
+def _moved_refs(value: Any, prefix: str) -> Any:
+    """``value`` with its local ``$ref`` s pointing to definitions renamed
+    ``prefix + name`` under the root's ``$defs`` (``"#"`` to ``prefix + "root"``)."""
+    if isinstance(value, list):
+        return [_moved_refs(v, prefix) for v in value]
+    if not isinstance(value, dict):
+        return value
+    out = {k: _moved_refs(v, prefix) for k, v in value.items()}
+    ref = value.get("$ref")
+    if isinstance(ref, str):
+        if ref == "#":
+            out["$ref"] = f"#/$defs/{prefix}root"
+        for head in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(head):
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(head):]}"
+    return out
+
+
+def _call_schema(tool: dict, key: str, prefix: str, defs: dict) -> dict:
+    """The schema of one call of ``tool``; the definitions of its parameters
+    go to ``defs`` (the root's ``$defs``: a reference resolves from the root),
+    renamed with ``prefix``."""
     fn = tool["function"]
-    params = fn["parameters"]
-    if "type" not in params:
-        params = dict(params, type="object")
+    params = {k: v for k, v in fn["parameters"].items() if k not in ("$defs", "definitions")}
+    params.setdefault("type", "object")
+    params = _moved_refs(params, prefix)
+    for group in ("$defs", "definitions"):
+        for name, schema in (fn["parameters"].get(group) or {}).items():
+            defs[prefix + name] = _moved_refs(schema, prefix)
+    if any(isinstance(v, dict) and v.get("$ref") == f"#/$defs/{prefix}root"
+           for v in _walk(params)):
+        defs[prefix + "root"] = params
     return {"type": "object", "properties": {"name": {"const": fn["name"]}, key: params},
             "required": ["name", key], "additionalProperties": False}
+
+
+def _walk(value: Any) -> Any:
+    """Every dict and list inside ``value``, itself included."""
+    yield value
+    children = value.values() if isinstance(value, dict) else (
+        value if isinstance(value, list) else ())
+    for child in children:
+        yield from _walk(child)
 
 
 def call_grammar(req: ToolRequest) -> tuple[str, Any]:
@@ -259,8 +295,11 @@ def call_grammar(req: ToolRequest) -> tuple[str, Any]:
     tools = [t for t in req.tools if req.choice != "function"
              or t["function"]["name"] == req.name]
     key = "parameters" if req.format == "llama3_json" else "arguments"
-    options = [_call_schema(t, key) for t in tools]
+    defs: dict = {}
+    options = [_call_schema(t, key, f"tool{i}_", defs) for i, t in enumerate(tools)]
     schema = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        schema = dict(schema, **{"$defs": defs})
     if req.format == "llama3_json":
         if not req.parallel:
             return "json_schema", schema
