@@ -263,6 +263,27 @@ def test_forced_call_whole_and_streamed(server, choice, allowed):
             [(calls[0].function.name, calls[0].function.arguments)]
 
 
+def test_forced_calls_of_n_choices_streamed_with_logprobs(server):
+    """n=2 streamed: each choice's deltas carry its own call under its index,
+    equal to the whole answer's choice of the same seed; logprobs still come."""
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    client = server.client()
+    fields = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
+                  max_tokens=200, temperature=1, seed=21, n=2, logprobs=True)
+    whole = client.chat.completions.create(**fields)
+    chunks = list(client.chat.completions.create(stream=True, **fields))
+    for choice in whole.choices:
+        mine = [c for c in chunks if c.choices and c.choices[0].index == choice.index]
+        content, calls, reason = streamed_calls(mine)
+        assert reason == choice.finish_reason == "tool_calls"
+        want = choice.message.tool_calls
+        assert [(c["name"], c["arguments"]) for c in calls] == \
+            [(c.function.name, c.function.arguments) for c in want]
+        check_call(want[0].function.name, want[0].function.arguments)
+        assert choice.logprobs is not None and choice.logprobs.content
+        assert any(c.choices[0].logprobs is not None for c in mine)
+
+
 def test_parallel_forced_calls(server):
     pytest.importorskip("llguidance", reason="the constrain extra is not installed")
     got = server.client().chat.completions.create(
