@@ -18,8 +18,9 @@ import socket
 import sys
 from typing import Any
 
-__all__ = ["check_args", "describe_spin", "limits_of", "load_decoder", "main", "model_name", "parse_args",
-           "session_options", "startup_summary", "thread_budget_of", "HASH_SECRET_ENV"]
+__all__ = ["check_args", "describe_spin", "limits_of", "load_decoder", "main", "model_name",
+           "parse_args", "session_options", "startup_summary", "thread_budget_of",
+           "HASH_SECRET_ENV"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 #: the environment variable replicas sharing a Redis tier take their hash secret from
