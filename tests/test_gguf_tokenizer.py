@@ -258,6 +258,14 @@ def test_gemma3_vocabulary_equals_sentencepiece():
                      "<table><tr><td>1</td></tr></table>", "    four spaces"]
     bad_ids, bad_text = _mismatches(sp, tok, texts)
     assert not bad_ids and not bad_text, (bad_ids[:3], bad_text[:3])
+    # what the importer writes (its 513,511 merges as JSON text) is that tokenizer
+    from pagedkv_np.models.gguf.tokenizer import tokenizer_json
+    written = tokenizer_json(model="llama", pre=get("tokenizer.ggml.pre"), tokens=tokens,
+                             token_types=types, merges=[], scores=scores,
+                             bos_token_id=get("tokenizer.ggml.bos_token_id"), add_bos_token=True,
+                             unknown_token_id=get("tokenizer.ggml.unknown_token_id"),
+                             add_space_prefix=False)
+    assert json.loads(written) == json.loads(tok.to_str())
     # user-defined whitespace runs and tags are single tokens; control tokens too
     assert len(tok.encode("\n\n\n", add_special_tokens=False).ids) == 1
     assert len(tok.encode("<start_of_turn>user\n", add_special_tokens=False).ids) == 3
@@ -361,3 +369,18 @@ def test_byte_level_merge_whose_join_is_no_token_is_refused():
     assert build_tokenizer(**fields, merges=["a b"]).encode("ab").tokens == ["ab"]
     with pytest.raises(UnsupportedModelError, match="'b c'"):
         build_tokenizer(**fields, merges=["a b", "b c"])
+
+
+def test_merges_json_is_json_dumps_of_the_pairs():
+    """Quotes, backslashes, control characters, non-ASCII and emoji, a token
+    on both sides and in many merges, and no merges."""
+    from pagedkv_np.models.gguf.merges import merges_json
+
+    tokens = ['a', '"', "\\", "\n\t\x00\x1f", "▁é", "日本", "\U0001f999", "", "\u2028"]
+    rng = np.random.default_rng(0)
+    left, right = rng.integers(0, len(tokens), 500), rng.integers(0, len(tokens), 500)
+    pairs = [(tokens[a], tokens[b]) for a, b in zip(left, right)]
+    assert merges_json(tokens, left, right) == json.dumps(pairs, ensure_ascii=False,
+                                                          separators=(",", ":"))
+    assert json.loads(merges_json(tokens, left, right)) == [list(p) for p in pairs]
+    assert merges_json(tokens, left[:0], right[:0]) == "[]"

@@ -55,7 +55,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...errors import UnsupportedModelError
-from .merges import merges_from_scores
+from .merges import merge_ids, merges_from_scores, merges_json
 
 try:
     import tokenizers
@@ -96,22 +96,22 @@ def build_tokenizer(**metadata: Any) -> tokenizers.Tokenizer:
 def tokenizer_json(**metadata: Any) -> str:
     """The ``tokenizer.json`` text of :func:`build_tokenizer`'s tokenizer.
 
-    The BPE merges go into the text as JSON, not through a ``tokenizers``
-    object: handing Gemma 3's 513,511 derived merges to ``tokenizers.models.BPE``
-    and saving it took 3.6 s (2.6 + 1.0) of a 3-4 s tokenizer build at
-    load 0.4. Merges are checked (each a pair of tokens whose join is a
+    The BPE merges go into the text as JSON (:func:`~pagedkv_np.models.gguf.merges.merges_json`),
+    not through a ``tokenizers`` object: handing Gemma 3's 513,511 derived
+    merges to ``tokenizers.models.BPE`` and saving it took 3.6 s (2.6 + 1.0)
+    at load 0.4. Merges are checked (each a pair of tokens whose join is a
     token) before they are written, as ``tokenizers`` would on loading.
     """
     tok, merges = _assemble(with_merges=False, **metadata)
     text = tok.to_str()
-    if not merges:
+    if merges == "[]":
         return text
     # the model is last in the text and its merge list last in the model
     head, empty, tail = text.rpartition('"merges":[]')
     if not empty or tail != "}}":
         raise UnsupportedModelError("tokenizers wrote a tokenizer.json of a shape this "
                                     "version of pagedkv_np does not know")
-    return f'{head}"merges":{json.dumps(merges, ensure_ascii=False)}{tail}'
+    return f'{head}"merges":{merges}{tail}'
 
 
 def _assemble(*, with_merges: bool, model: str, pre: str, tokens: Sequence[str],
@@ -122,9 +122,10 @@ def _assemble(*, with_merges: bool, model: str, pre: str, tokens: Sequence[str],
               add_space_prefix: bool | None = None,
               remove_extra_whitespaces: bool = False,
               precompiled_charsmap: bytes | None = None
-              ) -> tuple[tokenizers.Tokenizer, list[tuple[str, str]]]:
+              ) -> tuple[tokenizers.Tokenizer, str]:
     """The tokenizer that the metadata describes and, unless ``with_merges``
-    (then they are in it), its BPE merges, which it lacks.
+    (then they are in it), the JSON text of the BPE merges it lacks (``"[]"``
+    when it lacks none).
 
     Parameters
     ----------
@@ -188,9 +189,10 @@ def _assemble(*, with_merges: bool, model: str, pre: str, tokens: Sequence[str],
     if model == "gpt2":
         pairs = _merge_pairs(merges, vocab)
         tok = _byte_level_bpe(pre, vocab, pairs if with_merges else [])
+        merges_text = "[]" if with_merges else json.dumps(pairs, ensure_ascii=False)
         added: tuple[int, ...] = (_CONTROL, _USER_DEFINED)
     else:
-        tok, pairs = _sentencepiece(model, tokens, types, vocab, scores, unknown_token_id,
+        tok, merges_text = _sentencepiece(model, tokens, types, vocab, scores, unknown_token_id,
                                     True if add_space_prefix is None else add_space_prefix,
                                     remove_extra_whitespaces, precompiled_charsmap,
                                     with_merges)
@@ -209,7 +211,7 @@ def _assemble(*, with_merges: bool, model: str, pre: str, tokens: Sequence[str],
         tok.post_processor = processors.TemplateProcessing(
             single=around("A", 0), pair=f"{around('A', 0)} {around('B', 1)}",
             special_tokens=[(tokens[tid], tid) for tid in dict.fromkeys(first + last)])
-    return tok, ([] if with_merges else pairs)
+    return tok, merges_text
 
 
 def _merge_pairs(merges: Sequence[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
@@ -249,7 +251,7 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
                    scores: Sequence[float] | None, unknown_token_id: int | None,
                    add_space_prefix: bool,
                    remove_extra_whitespaces: bool, precompiled_charsmap: bytes | None,
-                   with_merges: bool) -> tuple[tokenizers.Tokenizer, list[tuple[str, str]]]:
+                   with_merges: bool) -> tuple[tokenizers.Tokenizer, str]:
     """A SentencePiece BPE (``llama``) or unigram (``t5``) vocabulary, and the
     BPE's merges (also in the tokenizer when ``with_merges``)."""
     if scores is None:
@@ -266,7 +268,7 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
     # as llama.cpp: a character outside the vocabulary becomes <0xNN> tokens if there are any
     byte_fallback = all(f"<0x{b:02X}>" in vocab for b in range(256))
     score_list = list(map(float, scores))
-    pairs: list[tuple[str, str]] = []
+    merges_text = "[]"
     if model == "t5":
         if unknown_token_id is None:
             raise UnsupportedModelError("the GGUF tokenizer is a SentencePiece unigram "
@@ -275,9 +277,12 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
             list(zip(tokens, score_list)), unk_id=unknown_token_id,
             byte_fallback=byte_fallback))
     else:
-        pairs = merges_from_scores(tokens, types, score_list)
+        if with_merges:
+            pairs = merges_from_scores(tokens, types, score_list)
+        else:
+            pairs, merges_text = [], merges_json(tokens, *merge_ids(tokens, types, score_list))
         tok = tokenizers.Tokenizer(models.BPE(
-            vocab=dict(vocab), merges=pairs if with_merges else [],
+            vocab=dict(vocab), merges=pairs,
             fuse_unk=True, byte_fallback=byte_fallback,
             unk_token=None if unknown_token_id is None else tokens[unknown_token_id]))
     steps: list[normalizers.Normalizer] = []
@@ -302,7 +307,7 @@ def _sentencepiece(model: str, tokens: Sequence[str], types: list[int], vocab: d
     # matched in the normalized text (their spaces as "▁"), as SentencePiece matches them
     tok.add_tokens([tokenizers.AddedToken(token, special=False, normalized=True)
                     for token in user_defined])
-    return tok, pairs
+    return tok, merges_text
 
 
 def _prefix_unless(user_defined: list[str]) -> normalizers.Normalizer:
