@@ -6,7 +6,7 @@ peak RSS (the child's ``ru_maxrss``) and the seconds of each phase:
 
     check       header, geometry and vocabulary size (importer._check)
     text        the tokenizer and the JSON files (importer._text_files)
-    merges      of which: SentencePiece merges derived from scores
+    merges      of which: SentencePiece merges derived from scores (and written)
     weights     tensors read and converted (read_weights)
     graph       the ONNX graph, weights streamed to model.onnx.data (build_decoder)
     save        model.onnx written (save_decoder)
@@ -59,8 +59,8 @@ for name, phase in (("_check", "check"), ("_text_files", "text"), ("read_weights
                     ("build_decoder", "graph"), ("save_decoder", "save"),
                     ("file_digest", "digest")):
     timed(importer, name, phase)
-for name in ("merges_from_scores", "_merges_from_scores"):     # after and before
-    timed(tokenizer, name, "merges")
+for name in ("merge_ids", "merges_json", "merges_from_scores", "_merges_from_scores"):
+    timed(tokenizer, name, "merges")             # whichever the tree's tokenizer calls
 path, cache = sys.argv[1], sys.argv[2]
 start, cpu = time.perf_counter(), time.process_time()
 importer.import_gguf(path, cache_dir=cache)
