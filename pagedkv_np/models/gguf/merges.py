@@ -47,7 +47,7 @@ def merge_ids(tokens: Sequence[str], types: Sequence[int],
     character by character, so the list is exactly that of trying every cut
     against the vocabulary (what :func:`_merges_by_lookup` does, and does
     instead when two tokens share a hash). Gemma 3's 262,144 tokens (1.1
-    million cuts, 513,511 merges): 0.5 s against 3-5 s for the lookups.
+    million cuts, 513,511 merges): 0.8 s of CPU against 3.0 s for the lookups (load ~9).
     """
     type_array = np.asarray(types)
     normal_ids = np.flatnonzero(type_array == _NORMAL)
