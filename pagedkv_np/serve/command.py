@@ -104,8 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="let onnxruntime's idle threads spin-wait as long as onnxruntime "
                            "does (default: at most 50 us, then they sleep, so that they do "
                            "not take the cores the HTTP side and other processes need)")
-    spin.add_argument("--no-spin", dest="spin", action="store_false",
-                      help="idle onnxruntime threads sleep at once")
+    spin.add_argument("--no-spin", dest="spin", action="store_false", default=None,
+                      help="idle onnxruntime threads sleep at once (default: they spin for "
+                           "at most 50 us)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
