@@ -16,8 +16,9 @@ text is split before BPE depends on ``tokenizer.ggml.pre``:
 Gemma). SentencePiece merges, again and again, the adjacent pair whose join
 is the highest-scoring token (the leftmost pair on a tie). That is a
 ``tokenizers`` BPE whose merges are every split of a token into two tokens,
-ranked by the joined token's score (``tokenizer.ggml.scores``). Merges in
-the file are ignored, as llama.cpp ignores them. Characters outside the
+ranked by the joined token's score (``tokenizer.ggml.scores``; derived in
+:mod:`pagedkv_np.models.gguf.merges`). Merges in the file are ignored, as
+llama.cpp ignores them. Characters outside the
 vocabulary become ``<0xNN>`` byte tokens when the vocabulary has them
 (byte fallback), else the unknown token. ``tokenizer.ggml.pre`` is ignored,
 as llama.cpp ignores it: SentencePiece splits nothing before BPE.
@@ -35,6 +36,10 @@ normalizer, not a Metaspace pre-tokenizer: the latter adds no ``▁`` to a
 text that already starts with a space, so ``" Hello"`` lost one of its
 two (32 of llama.cpp's 47 Llama-SPM test cases right against 47 of 47; 383
 of the 424 texts of tests/test_gguf_tokenizer.py against all 424).
+
+``tokenizer.ggml.add_bos_token`` and ``add_eos_token`` put the bos token
+before and the eos token after an encoded text (with special tokens), as
+llama.cpp does.
 
 Tokens of type control become special added tokens, matched whole in the
 raw text, so that ``<start_of_turn>`` in a prompt is one token; as in
