@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 from ..errors import PagedKVError
 from ..checks import check_positive_int
+from .logprobs import HeldLogprobs
 from .metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -50,8 +51,14 @@ class TextStream(Protocol):
     ``push`` returns the text that is final so far (never half a character,
     never text a stop string may still claim); ``finish`` returns what was
     held back. ``stopped`` turns True once a stop string matched; the text
-    before it has then been returned and nothing after it ever is.
+    before it has then been returned and nothing after it ever is. ``text``
+    is every delta returned; ``detokenizer.text`` every character decoded
+    (the stop matcher's input), which places each token's text for the
+    logprobs kept with it (:class:`~pagedkv_np.serve.logprobs.HeldLogprobs`).
     """
+
+    text: str
+    detokenizer: Any
 
     @property
     def stopped(self) -> bool: ...
@@ -103,7 +110,8 @@ class Job:
     """
 
     __slots__ = ("prompt_ids", "max_tokens", "stream", "emit", "sampling", "salt", "arrival",
-                 "rid", "num_generated", "num_cached", "last_token_time", "done", "group")
+                 "rid", "num_generated", "num_cached", "last_token_time", "done", "group",
+                 "held")
 
     def __init__(self, prompt_ids: Any, max_tokens: int, stream: TextStream,
                  emit: Callable[[Update], None], *, sampling: dict | None = None,
@@ -123,6 +131,8 @@ class Job:
         # the jobs of one prompt's n continuations (add_parallel_requests), set
         # on the first of them by EngineLoop.submit_parallel
         self.group: list[Job] | None = None
+        # logprobs of tokens whose text a stop string may still cut
+        self.held = HeldLogprobs()
 
 
 class EngineLoop:
@@ -364,16 +374,22 @@ class EngineLoop:
             job.last_token_time = now
             job.num_generated += len(tokens)
             metrics.generation_tokens.inc(len(tokens))
+            job.held.add(events.logprobs.get(rid, ()), len(job.stream.detokenizer.text))
             delta = job.stream.push(list(tokens))
-            entries = tuple(events.logprobs.get(rid, ()))
             if job.stream.stopped or rid in finished:
-                reason = ("stop" if job.stream.stopped
+                stopped = job.stream.stopped
+                reason = ("stop" if stopped
                           else self._reason(events.statuses[rid].finish_reason))
+                delta += job.stream.finish()
+                # past a stop string: only the tokens of the returned text
+                entries = (job.held.release(len(job.stream.text)) if job.stream.stopped
+                           else job.held.rest())
                 counts = self._counts(job)
                 self._forget(rid)
-                self._finish(job, Update(delta + job.stream.finish(), reason, *counts,
-                                         logprobs=entries))
-            elif delta or entries:
+                self._finish(job, Update(delta, reason, *counts, logprobs=entries))
+                continue
+            entries = job.held.release(len(job.stream.text))
+            if delta or entries:
                 job.emit(Update(delta, logprobs=entries))
         # requests that ended in this step without a new token
         for rid in finished:
@@ -382,7 +398,8 @@ class EngineLoop:
                 reason = self._reason(events.statuses[rid].finish_reason)
                 counts = self._counts(ended)
                 self._forget(rid)
-                self._finish(ended, Update(ended.stream.finish(), reason, *counts))
+                text = ended.stream.finish()
+                self._finish(ended, Update(text, reason, *counts, logprobs=ended.held.rest()))
 
     @staticmethod
     def _reason(engine_reason: str | None) -> str:

@@ -13,6 +13,10 @@ A token's text is its id decoded alone with special tokens kept; a token
 that holds part of a UTF-8 character decodes to U+FFFD there, which is why
 ``bytes`` is given too (those are the UTF-8 bytes of that text, not the raw
 piece of the character: the tokenizer does not expose the raw bytes).
+
+:class:`HeldLogprobs` keeps a request's entries back until the text of their
+tokens is returned, so that the logprobs of an answer cut by a stop string
+cover the returned text and nothing past it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import functools
 from typing import Any
 from collections.abc import Sequence
 
-__all__ = ["LogprobWriter"]
+__all__ = ["LogprobWriter", "HeldLogprobs"]
 
 
 class LogprobWriter:
@@ -83,3 +87,39 @@ class LogprobWriter:
             for key, values in part.items():
                 out[key].extend(values)
         return out
+
+
+class HeldLogprobs:
+    """A request's ``TokenLogprob`` entries, each released once its token's
+    text is part of the returned text.
+
+    Each entry is filed with ``start``: how many characters the detokenizer
+    had produced before its token was pushed. Its token's text (if any)
+    begins there, so the token belongs to the answer exactly when ``start``
+    is less than the number of characters returned; a token whose text
+    straddles a stop string is kept (its text holds the stop's first
+    characters), tokens wholly inside or past the stop string are not.
+
+    Invariant: the held entries are in token order, with non-decreasing
+    ``start``.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[int, Any]] = []
+
+    def add(self, entries: Sequence[Any], start: int) -> None:
+        self._held.extend((start, e) for e in entries)
+
+    def release(self, num_chars: int) -> tuple:
+        """The held entries whose text begins within the first ``num_chars``
+        characters (they are returned: no stop string can cut them now)."""
+        cut = 0
+        while cut < len(self._held) and self._held[cut][0] < num_chars:
+            cut += 1
+        out, self._held = self._held[:cut], self._held[cut:]
+        return tuple(e for _, e in out)
+
+    def rest(self) -> tuple:
+        """Every held entry (the request ended without a stop string)."""
+        out, self._held = self._held, []
+        return tuple(e for _, e in out)

@@ -1,0 +1,98 @@
+"""``pagedkv serve``'s further request features: ``--chat-template``,
+completions' ``echo``, ``best_of`` and ``suffix`` (fill-in-the-middle),
+logprobs of an answer cut by a stop string, and ``/tokenize`` with
+``messages`` and ``tools``: real servers in subprocesses, driven by the
+official ``openai`` client, each answer compared with the same request run
+alone through an in-process ``OrtDecoder``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("starlette", reason="the serve extra is not installed")
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
+from test_serve import MODEL, NUM_PAGES, PAGE_SIZE, Server, build_folder  # noqa: E402
+from test_serve_sampling import engine_logprobs, piece  # noqa: E402
+
+PROMPT = "The capital of France is"
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_extras") / MODEL
+    build_folder(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dec(folder) -> OrtDecoder:
+    return OrtDecoder.from_pretrained(str(folder), num_pages=NUM_PAGES, page_size=PAGE_SIZE,
+                                      max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    s = Server(str(folder), "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE),
+               "--max-batch-size", "4", "--max-queue", "64")
+    yield s
+    assert s.stop() == 0
+
+
+# ------------------------------------------------- logprobs cut by a stop string
+def starts(dec: OrtDecoder, tokens: list[int]) -> list[int]:
+    """Where each token's text begins in the decode of ``tokens`` (a token
+    that ends inside a character decodes to U+FFFD there, which is not
+    counted: the character begins where its first byte's token does)."""
+    return [len(dec.text.decode(tokens[:i]).rstrip("\ufffd")) for i in range(len(tokens))]
+
+
+def stop_case(dec: OrtDecoder) -> tuple[str, str, list[int], list]:
+    """(stop string, the text before it, the tokens whose text begins before
+    it, their engine entries) of the greedy answer to PROMPT."""
+    tokens, entries = engine_logprobs(dec, dec.text.encode(PROMPT), 2, NEW)
+    full = dec.text.decode(tokens)
+    # a stop string that starts in the middle of the answer, on a token's
+    # second character or later when there is one
+    begin = starts(dec, tokens)
+    at = next((s + 1 for s, e in zip(begin[len(begin) // 2:], begin[len(begin) // 2 + 1:])
+               if e - s >= 2), begin[len(begin) // 2])
+    stop = full[at:at + 2]
+    cut = full.find(stop)
+    kept = [i for i, s in enumerate(begin) if s < cut]
+    return stop, full[:cut], [tokens[i] for i in kept], [entries[i] for i in kept]
+
+
+def test_logprobs_cover_the_text_before_a_stop_string(server, dec):
+    stop, text, tokens, entries = stop_case(dec)
+    assert 0 < len(tokens) < NEW - 1     # the stop cut tokens off
+    client = server.client()
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                    temperature=0, logprobs=2, stop=[stop])
+    choice = got.choices[0]
+    assert choice.text == text and choice.finish_reason == "stop"
+    assert choice.logprobs.tokens == [piece(dec, t) for t in tokens]
+    assert choice.logprobs.token_logprobs == [e.logprob for e in entries]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                       temperature=0, logprobs=2, stop=[stop], stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert "".join(c.text for c in chunks) == text
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    assert [t for p in parts for t in p.tokens] == choice.logprobs.tokens
+    assert [x for p in parts for x in p.token_logprobs] == choice.logprobs.token_logprobs
+    # chat: the same rule
+    messages = [{"role": "user", "content": "Hello world"}]
+    tokens, entries = engine_logprobs(dec, dec.text.encode_chat(messages), 1, NEW)
+    full = dec.text.decode(tokens)
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    cut = full.find(stop)
+    want = [piece(dec, t) for t, s in zip(tokens, starts(dec, tokens)) if s < cut]
+    got = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=NEW,
+                                         temperature=0, logprobs=True, top_logprobs=1,
+                                         stop=[stop])
+    assert got.choices[0].message.content == full[:cut]
+    assert [c.token for c in got.choices[0].logprobs.content] == want
