@@ -104,6 +104,9 @@ class PlainLoop:
             feeds["position_ids"] = np.broadcast_to(np.arange(n), (b, n)).copy()
         empty = np.zeros((b, h, 0, d), np.float32)
         feeds.update({name: empty for name in self.pk + self.pv})
+        self.keep = {arg.name: np.zeros(1, np.int64) for arg in sess.get_inputs()
+                     if arg.name == "num_logits_to_keep"}   # 0: every position
+        feeds.update(self.keep)
         outs = sess.run(self.outputs, feeds)
         self.tokens = outs[0][:, -1].argmax(-1)
         if family == "optimum":
@@ -123,6 +126,8 @@ class PlainLoop:
         self.logits = np.empty((b, 1, config.vocab_size), np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, self.logits.shape,
                             self.logits.ctypes.data)
+        for name, value in self.keep.items():
+            binding.bind_cpu_input(name, value)
 
     def step(self) -> None:
         b, n, step = self.b, self.n, self.step_index
@@ -133,6 +138,7 @@ class PlainLoop:
                      "attention_mask": self.mask,
                      "position_ids": np.full((b, 1), n + step, np.int64)}
             feeds.update(zip(self.pk + self.pv, self.past))
+            feeds.update(self.keep)
             outs = self.session.run(self.outputs, feeds)
             self.past = outs[1:]
             self.tokens = outs[0][:, -1].argmax(-1)

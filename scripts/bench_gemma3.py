@@ -63,6 +63,8 @@ def _recompute(session, prompt: list[int], n: int) -> list[int]:
         for arg in session.get_inputs():
             if arg.name.startswith("past_key_values."):
                 feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+            elif arg.name == "num_logits_to_keep":   # 0: every position
+                feeds[arg.name] = np.zeros(1, np.int64)
         seq.append(int(session.run(["logits"], feeds)[0][0, -1].argmax()))
     return seq[len(prompt):]
 

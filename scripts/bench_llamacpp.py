@@ -242,6 +242,9 @@ class PlainLoop:
                 binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", value)
                 binding.bind_ortvalue_output(f"present.{i}.{kind}", value)
                 bufs.append(buf)
+        keep = np.ones(1, np.int64)       # the last position's logits only
+        if any(arg.name == "num_logits_to_keep" for arg in session.get_inputs()):
+            binding.bind_cpu_input("num_logits_to_keep", keep)
         ids, total = np.asarray(prompt, np.int64).reshape(1, -1), len(prompt)
         for _ in range(max_tokens):
             binding.bind_cpu_input("input_ids", ids)

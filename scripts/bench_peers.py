@@ -107,6 +107,9 @@ class PlainLoop:
                 binding.bind_ortvalue_input(f"past_key_values.{i}.{kind}", value)
                 binding.bind_ortvalue_output(f"present.{i}.{kind}", value)
                 bufs.append(buf)
+        keep = np.ones(1, np.int64)       # the last position's logits only
+        if any(arg.name == "num_logits_to_keep" for arg in sess.get_inputs()):
+            binding.bind_cpu_input("num_logits_to_keep", keep)
         out: list[int] = []
         ids = prompt.reshape(1, -1).astype(np.int64)
         total = n

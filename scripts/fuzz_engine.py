@@ -91,6 +91,8 @@ class Model:
                     feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
                 elif arg.name.startswith("past_key_values."):
                     feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+                elif arg.name == "num_logits_to_keep":   # 0: every position
+                    feeds[arg.name] = np.zeros(1, np.int64)
             self.memo[tokens] = self.session.run(["logits"], feeds)[0][0, -1]
         return self.memo[tokens]
 

@@ -154,4 +154,6 @@ def full_recompute_logits(session, tokens) -> np.ndarray:
             feeds[arg.name] = np.arange(n, dtype=np.int64)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     return session.run(["logits"], feeds)[0][0, -1]

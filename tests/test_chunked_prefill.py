@@ -257,6 +257,8 @@ def _full_and_kept(family: str, tie: bool, keep: int | None):
             feeds[arg.name] = np.arange(len(tokens), dtype=np.int64)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     full = sess.run(["logits"], feeds)[0]
     if keep is not None:
         feeds[LOGITS_TO_KEEP] = np.array([keep], np.int64)
@@ -277,11 +279,13 @@ def test_logits_to_keep_gives_the_last_positions(family, tie, keep):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_graph_without_logits_to_keep_is_served_the_same(family):
     """An exported graph that returns every position's logits (here: the
-    input removed, its initializer left as a constant 0)."""
+    input removed, a constant 0 in its place)."""
     proto = onnx.load_from_string(model(family))
     kept = [i for i in proto.graph.input if i.name != LOGITS_TO_KEEP]
     del proto.graph.input[:]
     proto.graph.input.extend(kept)
+    proto.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros(1, np.int64),
+                                                                LOGITS_TO_KEEP))
     dec = OrtDecoder(proto.SerializeToString(), num_pages=96, page_size=PAGE,
                      prefill_chunk=8)
     assert dec._runner._last_logits is None

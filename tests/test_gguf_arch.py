@@ -181,6 +181,8 @@ def _first_logits_of(sess, tokens):
             feeds[arg.name] = np.arange(n)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     return sess.run(["logits"], feeds)[0][0]
 
 
@@ -315,12 +317,15 @@ def _prompt(folder) -> list[int]:
 
 
 def test_gemma3_270m_logits_match_a_numpy_forward_of_its_dequantized_weights(gemma3_270m):
-    """Q4_K as 4-bit MatMulNBits, Q5_0/Q6_K/Q8_0 as float32, every layer kind:
-    within 2e-5 of the largest logit (7.6e-5 of 22.4, 3.4e-6, measured)."""
+    """Q4_K as 4-bit MatMulNBits, Q5_0/Q6_K as float32, every layer kind, the
+    Q8_0 embedding gathered from its blocks and the tied head as 8-bit blocks on
+    int8 activations: within 2e-2 of the largest logit (0.25 of ~22 over three
+    prompts, measured; 7.6e-5 with the head in float32), the same argmax at
+    every position."""
     path, folder = gemma3_270m
     tokens = _prompt(folder)
     got, want = _first_logits(folder, tokens), GGUFDecoder(path).logits(tokens)
-    assert np.abs(got - want).max() < 2e-5 * np.abs(want).max()
+    assert np.abs(got - want).max() < 2e-2 * np.abs(want).max()
     assert (got.argmax(-1) == want.argmax(-1)).all()
 
 

@@ -100,7 +100,8 @@ def test_each_type_imports_exactly(tmp_path, qtype):
     gguf's dequantized weights, and the same greedy tokens; the 4-bit types stay
     MatMulNBits blocks, the others become float32."""
     spec = _k_file(tmp_path, qtype, tied=qtype != Q.Q6_K, seed=5)
-    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    # an 8-bit head at level 0: float32, exact (level 4: tests/test_quantized_head.py)
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache", head_accuracy_level=0)
     inits = _initializers(folder)
     kept = qtype in kept_blocks("q4", 0)
     assert ("l0.wq.qweight" in inits) == kept
@@ -122,7 +123,7 @@ def test_int8_activations_keep_every_type_as_blocks(tmp_path, qtype):
     spec_kind = BLOCK_KINDS[qtype.name.lower()]
     assert inits["l0.w_up.qweight"].shape[1:] == (256 // spec_kind.sub,
                                                   spec_kind.sub * spec_kind.bits // 8)
-    assert "lm_head.qweight" in inits                  # the tied head keeps its blocks
+    assert "embed.qweight" in inits       # the tied head reads the embedding's blocks
     tokens = np.random.default_rng(1).integers(0, spec.geometry.vocab_size, 30).tolist()
     want = reference_logits(spec.geometry, spec.reference, tokens)
     got = _logits(_session(folder), tokens)
@@ -137,9 +138,11 @@ def test_a_q4_k_m_mix_imports_exactly(tmp_path):
         types.update({f"blk.{i}.attn_v.weight": Q.Q6_K, f"blk.{i}.ffn_down.weight": Q.Q6_K,
                       f"blk.{i}.attn_k.weight": Q.Q5_0})
     spec = _k_file(tmp_path, Q.Q4_K, tied=False, seed=7, tensor_types=types)
-    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    # the Q6_K head at level 0: float32, exact (level 4: tests/test_quantized_head.py)
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache", head_accuracy_level=0)
     inits = _initializers(folder)
     assert "l0.wq.mins" in inits and inits["l0.wv"].dtype == np.float32
+    assert "embed.qweight" in inits and "lm_head" in inits     # Q8_0 rows, float32 head
     tokens = np.random.default_rng(1).integers(0, spec.geometry.vocab_size, 30).tolist()
     want = reference_logits(spec.geometry, spec.reference, tokens)
     assert np.abs(_logits(_session(folder), tokens) - want).max() < 1e-4 * np.abs(want).max()

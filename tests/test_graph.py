@@ -73,6 +73,8 @@ def _logits(sess, tokens):
             feeds[arg.name] = np.arange(n)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     return sess.run(["logits"], feeds)[0][0]
 
 
@@ -189,8 +191,10 @@ def test_bad_geometry_and_weights():
         build_decoder(GEOMETRY, {k: v for k, v in weights.items() if k != "l1.w_up"})
     with pytest.raises(ShapeError, match="l0.wk"):
         build_decoder(GEOMETRY, {**weights, "l0.wk": weights["l0.wq"]})
-    with pytest.raises(DTypeError, match="embed"):
+    with pytest.raises(ShapeError, match="embed"):     # blocks of an embedding: a row a token
         build_decoder(GEOMETRY, {**weights, "embed": _blocks(weights["embed"], "q8_0")})
+    with pytest.raises(DTypeError, match="final_norm"):
+        build_decoder(GEOMETRY, {**weights, "final_norm": _blocks(weights["embed"].T, "q8_0")})
     with pytest.raises(DTypeError, match="l0.wo"):
         build_decoder(GEOMETRY, {**weights, "l0.wo": weights["l0.wo"].astype(np.float64)})
     with pytest.raises(ShapeError, match="blocks"):

@@ -46,6 +46,8 @@ def _logits(sess, tokens):
             feeds[arg.name] = np.arange(n)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     return sess.run(["logits"], feeds)[0][0]
 
 

@@ -29,6 +29,8 @@ def _run(sess, tokens, positions=None):
             feeds[arg.name] = (np.arange(n) if positions is None else positions)[None]
         elif arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+        elif arg.name == "num_logits_to_keep":   # 0: every position
+            feeds[arg.name] = np.zeros(1, np.int64)
     return sess.run(["logits"], feeds)[0][0]
 
 
@@ -65,6 +67,8 @@ def _feeds(sess, tokens, past, num_past):
              "attention_mask": np.ones((1, num_past + n), np.int64)}
     if any(a.name == "position_ids" for a in sess.get_inputs()):
         feeds["position_ids"] = np.arange(num_past, num_past + n)[None]
+    if any(a.name == "num_logits_to_keep" for a in sess.get_inputs()):
+        feeds["num_logits_to_keep"] = np.zeros(1, np.int64)     # 0: every position
     names = [f"past_key_values.{i}.{kind}" for i in range(2) for kind in ("key", "value")]
     feeds.update(zip(names, past))
     return feeds

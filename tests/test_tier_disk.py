@@ -62,6 +62,8 @@ def reference(model_path, prompt, n=NEW):
                     feeds[arg.name] = np.arange(t, dtype=np.int64)[None]
                 elif arg.name.startswith("past_key_values."):
                     feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+                elif arg.name == "num_logits_to_keep":   # 0: every position
+                    feeds[arg.name] = np.zeros(1, np.int64)
             tok = int(np.argmax(sess.run(["logits"], feeds)[0][0, -1]))
             out.append(tok)
             tokens.append(tok)

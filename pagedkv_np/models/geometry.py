@@ -27,7 +27,7 @@ field                 what it changes (who uses it)
 
 Weight names (``x @ w`` convention, ``w`` is ``[in, out]``)::
 
-    embed [vocab, hidden] (float)      final_norm [hidden]
+    embed [vocab, hidden] (or blocks)  final_norm [hidden]
     lm_head [hidden, vocab]            (absent when tie_word_embeddings)
     l{i}.attn_norm, l{i}.mlp_norm [hidden]
     l{i}.wq [hidden, heads * head_dim]   l{i}.wk, l{i}.wv [hidden, kv_heads * head_dim]
@@ -202,23 +202,27 @@ def check_weights(c: DecoderGeometry, weights: dict[str, Linear]) -> None:
         A weight is missing.
     ShapeError, DTypeError
         A weight has the wrong shape, or is neither a float32/float16 array nor
-        (for a matrix other than ``embed``) BlockQuantized.
+        (for a matrix) BlockQuantized; a BlockQuantized ``embed`` holds one
+        row of blocks per token, so its ``shape`` is ``(hidden, vocab)``.
     """
     shapes = weight_shapes(c)
     for name in weight_names(c) + (["rope_freqs"] if "rope_freqs" in weights else []):
         if name not in weights:
             raise ConfigError(f"Invalid weights: no {name!r}")
         w = weights[name]
+        shape = tuple(w.shape)
         if isinstance(w, BlockQuantized):
-            if name == "embed" or len(shapes[name]) != 2:
+            if len(shapes[name]) != 2:
                 raise DTypeError(f"Invalid weights: {name!r} must be a float array, "
                                  "not quantized blocks")
+            if name == "embed":         # one row of blocks per token: (hidden, vocab)
+                shape = shape[::-1]
         elif not isinstance(w, np.ndarray) or w.dtype not in (np.float32, np.float16):
             raise DTypeError(f"Invalid weights: {name!r} must be a float32 or float16 array "
                              f"or BlockQuantized, got {type(w).__name__}")
-        if tuple(w.shape) != shapes[name]:
+        if shape != shapes[name]:
             raise ShapeError(f"Invalid shape of {name}: expected {list(shapes[name])}, "
-                             f"got {list(w.shape)}")
+                             f"got {list(shape)}")
 
 
 def rope_tables(c: DecoderGeometry, freq_factors: np.ndarray | None = None, *,

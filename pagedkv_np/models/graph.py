@@ -33,18 +33,19 @@ Weight names and shapes: :mod:`pagedkv_np.models.geometry`.
 from __future__ import annotations
 
 import os
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 
 try:
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "pagedkv_np.models.graph needs onnx: pip install 'pagedkv-np[onnx]'") from exc
 
 from ..errors import ConfigError
+from .builder import GraphBuilder
 from .geometry import DecoderGeometry, Linear, check_weights, rope_tables, weight_names
 from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
@@ -59,86 +60,18 @@ _OPSET = 17
 _MASK_VALUE = -1e9  # finite, so fully padded rows stay finite (no NaN spreads)
 
 
-class _Graph:
-    """Collects nodes and initializers with unique names."""
-
-    def __init__(self, accuracy_level: int, data: ExternalData | None = None) -> None:
-        self.nodes: list = []
-        self.initializers: list = []
-        self.accuracy_level = accuracy_level
-        self.data = data
-        self.blocksums: dict[tuple[str, int], str] = {}
-        self._count = 0
-
-    def name(self, hint: str) -> str:
-        self._count += 1
-        return f"{hint}_{self._count}"
-
-    def const(self, value: Any, hint: str = "c", dtype: Any = None) -> str:
-        return self.init(np.asarray(value, dtype=dtype), self.name(hint))
-
-    def init(self, value: np.ndarray, name: str) -> str:
-        value = np.ascontiguousarray(value)
-        self.initializers.append(numpy_helper.from_array(value, name) if self.data is None
-                                 else self.data.tensor(value, name))
-        return name
-
-    def op(self, op_type: str, inputs: list[str], hint: str | None = None, *,
-           outputs: list[str] | None = None, num_outputs: int = 1, domain: str = "",
-           **attrs: Any):
-        if outputs is None:
-            outputs = [self.name(hint or op_type.lower()) for _ in range(num_outputs)]
-        self.nodes.append(helper.make_node(op_type, inputs, outputs,
-                                           name=self.name(op_type), domain=domain, **attrs))
-        return outputs[0] if len(outputs) == 1 else outputs
-
-    def float_init(self, value: np.ndarray, name: str) -> str:
-        """An initializer read as float32 (float16 ones are cast, folded at load)."""
-        self.init(value, name)
-        if value.dtype == np.float16:
-            return self.op("Cast", [name], to=TensorProto.FLOAT)
-        return name
-
-    def linear(self, x: str, w: Linear, name: str, out: str | None = None) -> str:
-        """``x @ w`` for x float32 [..., in], into ``out`` when given."""
-        outputs = None if out is None else [out]
-        if not isinstance(w, BlockQuantized):
-            return self.op("MatMul", [x, self.float_init(w, name)], outputs=outputs)
-        k, n = w.shape
-        parts = w.matmul_nbits()
-        inputs = [self.init(parts.B, name + ".qweight"),
-                  self.init(parts.scales, name + ".scales")]
-        if parts.zero_points is not None:
-            inputs.append(self.init(parts.zero_points, name + ".qzeros"))
-        y = self.op("MatMulNBits", [x] + inputs, domain="com.microsoft", K=k, N=n,
-                    bits=parts.bits, block_size=parts.block_size,
-                    accuracy_level=self.accuracy_level,
-                    outputs=outputs if parts.offsets is None else None)
-        if parts.offsets is None:
-            return y
-        key = (x, parts.block_size)
-        if key not in self.blocksums:    # q/k/v and gate/up read the same x: sum once
-            blocks = self.op("Reshape", [x, self.const(np.array([0, 0, -1, parts.block_size],
-                                                                np.int64))])
-            self.blocksums[key] = self.op("ReduceSum",
-                                          [blocks, self.const(np.array([-1], np.int64))],
-                                          keepdims=0)
-        mins = self.op("MatMul", [self.blocksums[key], self.init(parts.offsets, name + ".mins")])
-        return self.op("Add", [y, mins], outputs=outputs)
-
-
-def _rms_norm(g: _Graph, x: str, weight: str, eps: float) -> str:
+def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
     ms = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
     inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(np.float32(eps))])])])
     return g.op("Mul", [g.op("Mul", [x, inv]), weight])
 
 
-def _shape_at(g: _Graph, x: str, axis: int) -> str:
+def _shape_at(g: GraphBuilder, x: str, axis: int) -> str:
     """int64 [1]: ``x.shape[axis]``."""
     return g.op("Gather", [g.op("Shape", [x]), g.const(np.array([axis], np.int64))], axis=0)
 
 
-def _rotate(g: _Graph, x: str, cos: str, sin: str) -> str:
+def _rotate(g: GraphBuilder, x: str, cos: str, sin: str) -> str:
     """Rotate-half RoPE of x [B, H, S, D] with cos/sin [B, 1, S, D/2]."""
     x1, x2 = g.op("Split", [x], num_outputs=2, axis=-1)
     first = g.op("Sub", [g.op("Mul", [x1, cos]), g.op("Mul", [x2, sin])])
@@ -149,8 +82,10 @@ def _rotate(g: _Graph, x: str, cos: str, sin: str) -> str:
 class _Layers:
     """The per-layer pieces shared by both families."""
 
-    def __init__(self, g: _Graph, c: DecoderGeometry, w: dict[str, Linear]) -> None:
+    def __init__(self, g: GraphBuilder, c: DecoderGeometry, w: dict[str, Linear],
+                 head_accuracy_level: int | None = None) -> None:
         self.g, self.c, self.w = g, c, w
+        self.head_accuracy_level = head_accuracy_level
         self.names: dict[str, str] = {}
 
     def array(self, name: str) -> np.ndarray:
@@ -284,7 +219,7 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
     return x
 
 
-def _bias(g: _Graph, c: DecoderGeometry, allowed: str) -> str:
+def _bias(g: GraphBuilder, c: DecoderGeometry, allowed: str) -> str:
     """The additive attention mask [B, 1 or groups * S, S, T] of a bool one."""
     bias = g.op("Where", [allowed, g.const(np.float32(0.0)), g.const(np.float32(_MASK_VALUE))])
     if c.num_groups > 1:
@@ -324,13 +259,14 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
 
 def _lm_head(layers: _Layers, x: str) -> None:
     g, c, w = layers.g, layers.c, layers.w
-    g.init(np.array([0], np.int64), "logits_to_keep")   # an input: the head's last rows, 0: all
-    x = g.op("Slice", [x, g.op("Neg", ["logits_to_keep"]), g.const(np.array([2 ** 62], np.int64)),
-                       g.const(np.array([1], np.int64))])
+    # the head's last rows, 0: all. A plain input, not an initializer with a default
+    # (onnxruntime warned of that at every load), named as onnxruntime-genai feeds it
+    x = g.op("Slice", [x, g.op("Neg", ["num_logits_to_keep"]),
+                       g.const(np.array([2 ** 62], np.int64)), g.const(np.array([1], np.int64))])
     h = layers.norm(x, "final_norm")
     out = g.name("raw_logits") if c.final_softcap else "logits"
     if not c.tie_word_embeddings:
-        g.linear(h, w["lm_head"], "lm_head", out=out)
+        g.linear(h, w["lm_head"], "lm_head", out=out, accuracy_level=layers.head_accuracy_level)
     else:
         _tied_head(layers, h, out)
     if c.final_softcap:
@@ -340,7 +276,10 @@ def _lm_head(layers: _Layers, x: str) -> None:
 
 
 def _tied_head(layers: _Layers, h: str, out: str) -> None:
-    g, c = layers.g, layers.c
+    g, c, embed = layers.g, layers.c, layers.w["embed"]
+    if isinstance(embed, BlockQuantized):     # the embedding's codes, as MatMulNBits reads them
+        g.linear(h, embed, "embed", out=out, accuracy_level=layers.head_accuracy_level)
+        return
     # the embedding's transpose without a second copy: Gemm reads it transposed
     flat = g.op("Reshape", [h, g.const(np.array([-1, c.hidden_size], np.int64))])
     logits = g.op("Gemm", [flat, layers.vec("embed")], transB=1)
@@ -351,7 +290,7 @@ def _tied_head(layers: _Layers, h: str, out: str) -> None:
 
 def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
                   family: str = "gqa", position_ids: bool = True, accuracy_level: int = 0,
-                  name: str = "pagedkv_decoder",
+                  head_accuracy_level: int | None = None, name: str = "pagedkv_decoder",
                   external_data: str | os.PathLike | None = None) -> onnx.ModelProto:
     """Build the decoder as an ONNX model.
 
@@ -359,8 +298,11 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     ----------
     geometry : DecoderGeometry
     weights : dict of str to ndarray or BlockQuantized
-        Names and shapes as in the module docstring; ``embed`` and the norms
-        are float arrays.
+        Names and shapes as in the module docstring; the norms are float
+        arrays; a BlockQuantized ``embed`` has one row of blocks per token
+        (its ``shape`` is ``(hidden, vocab)``, as a head's), gathered by
+        GatherBlockQuantized and, when tied, read by the head's MatMulNBits
+        (:mod:`pagedkv_np.models.builder`).
     family : {"optimum", "gqa"}
     position_ids : bool
         Whether an ``"optimum"`` model takes ``position_ids`` (otherwise
@@ -369,6 +311,8 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     accuracy_level : {0, 1, 2, 3, 4}
         MatMulNBits' ``accuracy_level``: 0 computes with the blocks' exact
         values in float32; 4 quantizes activations to int8 (faster, inexact).
+    head_accuracy_level : {0, 1, 2, 3, 4}, optional
+        The LM head's own, when it is BlockQuantized (default: ``accuracy_level``).
     name : str
         Of the ONNX graph.
     external_data : str or path, optional
@@ -382,8 +326,8 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     onnx.ModelProto
         Inputs ``input_ids`` int64 [B, S], ``attention_mask`` int64 [B, P + S],
         (``position_ids`` int64 [B, S]), past K/V float32 [B, num_kv_heads, P, head_dim],
-        ``logits_to_keep`` int64 [1] (an input with a default, 0); outputs ``logits``
-        float32 [B, S, vocab] (the last ``logits_to_keep`` positions unless 0) and
+        ``num_logits_to_keep`` int64 [1] (0: every position); outputs ``logits``
+        float32 [B, S, vocab] (the last ``num_logits_to_keep`` positions unless 0) and
         present K/V float32 [B, num_kv_heads, P + S, head_dim].
 
     Raises
@@ -395,24 +339,28 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     """
     if family not in FAMILIES:
         raise ConfigError(f"Invalid family: expected one of {FAMILIES}, got {family!r}")
-    if accuracy_level not in (0, 1, 2, 3, 4):
-        raise ConfigError(f"Invalid accuracy_level: expected 0..4, got {accuracy_level!r}")
+    for what, level in (("accuracy_level", accuracy_level),
+                        ("head_accuracy_level", head_accuracy_level)):
+        if level is not None and level not in (0, 1, 2, 3, 4):
+            raise ConfigError(f"Invalid {what}: expected 0..4, got {level!r}")
     c = geometry
     check_weights(c, weights)
     data = None if external_data is None else ExternalData(external_data)
     try:
         return _decoder_model(c, weights, family, position_ids, name,
-                              _Graph(accuracy_level, data))
+                              GraphBuilder(accuracy_level, data), head_accuracy_level)
     finally:
         if data is not None:
             data.close()
 
 
 def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
-                   position_ids: bool, name: str, g: _Graph) -> onnx.ModelProto:
-    layers = _Layers(g, c, weights)
-    embed = layers.vec("embed")
-    x = g.op("Gather", [embed, "input_ids"], axis=0)
+                   position_ids: bool, name: str, g: GraphBuilder,
+                   head_accuracy_level: int | None) -> onnx.ModelProto:
+    layers = _Layers(g, c, weights, head_accuracy_level)
+    embed = weights["embed"]
+    x = (g.rows(embed, "input_ids", "embed") if isinstance(embed, BlockQuantized)
+         else g.op("Gather", [layers.vec("embed"), "input_ids"], axis=0))
     if c.embed_scale != 1.0:
         x = g.op("Mul", [x, g.const(np.float32(c.embed_scale))])
     use_positions = family == "optimum" and position_ids
@@ -439,7 +387,7 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
         order = [(i, kind) for kind in ("key", "value") for i in range(c.num_layers)]
     inputs += [helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32, kv_shape)
                for i, kind in order]
-    inputs.append(helper.make_tensor_value_info("logits_to_keep", i64, [1]))
+    inputs.append(helper.make_tensor_value_info("num_logits_to_keep", i64, [1]))
     outputs = [helper.make_tensor_value_info("logits", f32,
                                              ["batch_size", "logits_length", c.vocab_size])]
     outputs += [helper.make_tensor_value_info(f"present.{i}.{kind}", f32, present_shape)
@@ -456,7 +404,7 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
 def build_linear(weight: Linear, *, accuracy_level: int = 0) -> onnx.ModelProto:
     """One linear layer as a model: input ``x`` float32 [B, S, in], output ``y``
     float32 [B, S, out] = ``x @ weight`` (as :func:`build_decoder` computes it)."""
-    g = _Graph(accuracy_level)
+    g = GraphBuilder(accuracy_level)
     k, n = weight.shape
     g.linear("x", weight, "w", out="y")
     graph = helper.make_graph(

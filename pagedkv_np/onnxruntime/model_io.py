@@ -220,7 +220,8 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
         m = _PAST.match(name)
         if m:
             past[int(m.group(1)), m.group(2)] = arg
-        elif name not in ("input_ids", "attention_mask", "position_ids"):
+        elif name not in ("input_ids", "attention_mask", "position_ids",
+                          "num_logits_to_keep", "logits_to_keep"):
             unexpected.append(name)
     if unexpected:
         raise UnsupportedModelError(

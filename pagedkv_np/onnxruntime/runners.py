@@ -24,9 +24,11 @@ from .model_io import ModelIO
 
 __all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "LOGITS_TO_KEEP"]
 
-#: The optional input (an overridable initializer, default 0: every position)
-#: of graphs that compute logits for only their last ``n`` positions.
-LOGITS_TO_KEEP = "logits_to_keep"
+#: The input of graphs that compute logits for only their last ``n`` positions
+#: (0: every position), as onnxruntime-genai names (and feeds) it.
+LOGITS_TO_KEEP = "num_logits_to_keep"
+#: Its name in GGUF imports before format 4: an overridable initializer, default 0
+_OLD_LOGITS_TO_KEEP = "logits_to_keep"
 
 # gather(layer, out) -> (k, v): one layer's past K/V of the batch, [B, H, T, D]
 Gather = Callable[[int, "tuple[np.ndarray, np.ndarray] | None"],
@@ -47,9 +49,12 @@ class Runner:
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
         # a graph that can skip the logits of all but the last position
         # (pagedkv_np.models.graph): a prompt needs only its last token's
-        overridable = {arg.name for arg in session.get_overridable_initializers()}
-        self._last_logits = (np.ones(1, np.int64) if LOGITS_TO_KEEP in overridable
-                             else None)
+        # (fed on every run: a plain input must be, an old graph's initializer may be)
+        names = {arg.name for arg in session.get_inputs()}
+        names |= {arg.name for arg in session.get_overridable_initializers()}
+        self._keep_name = next((n for n in (LOGITS_TO_KEEP, _OLD_LOGITS_TO_KEEP) if n in names),
+                               None)
+        self._last_logits = None if self._keep_name is None else np.ones(1, np.int64)
         self._prompt: Any = None          # what a prompt's next chunk continues from
         self._prompt_positions = 0
 
@@ -122,8 +127,8 @@ class Runner:
         if io.has_position_ids:
             feeds["position_ids"] = np.arange(num_past, num_past + n,
                                               dtype=io.position_ids_dtype).reshape(1, n)
-        if self._last_logits is not None:
-            feeds[LOGITS_TO_KEEP] = self._last_logits
+        if self._keep_name is not None and self._last_logits is not None:
+            feeds[self._keep_name] = self._last_logits
         return feeds
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
@@ -231,6 +236,8 @@ class OptimumRunner(Runner):
                  "attention_mask": mask}
         if io.has_position_ids:
             feeds["position_ids"] = lens.astype(io.position_ids_dtype).reshape(b, 1)
+        if self._keep_name is not None and self._last_logits is not None:
+            feeds[self._keep_name] = self._last_logits   # one position: the same as all
         for layer, (k, v) in enumerate(self._past):
             feeds[io.past_keys[layer]] = k
             feeds[io.past_values[layer]] = v
@@ -320,6 +327,10 @@ class GqaRunner(Runner):
                 binding.bind_ortvalue_input(src, value)
                 binding.bind_ortvalue_output(dst, value)
             bufs.append((k, v))
+        if self._keep_name is not None and self._last_logits is not None:
+            # an OrtValue: bind_cpu_input refuses an old graph's input with a default
+            self._keep = ort.OrtValue.ortvalue_from_numpy(self._last_logits)
+            binding.bind_ortvalue_input(self._keep_name, self._keep)
         self._bufs, self._binding, self.capacity = bufs, binding, capacity
 
     def decode(self, tokens: np.ndarray, lens: np.ndarray):

@@ -35,9 +35,13 @@ Weight modes (``weights=``):
                session casts them to float32 when it loads, so this halves
                the disk size, not the memory.
 
-The embedding is always gathered from float rows (dequantized). A tied LM
-head reads the float embedding transposed (no second copy), or keeps the
-embedding's blocks when the mode keeps that type's blocks.
+In ``"q4"`` mode the embedding keeps its blocks too (any block type,
+gathered exactly by GatherBlockQuantized), and a tied LM head reads those
+same blocks with MatMulNBits: one copy (:mod:`pagedkv_np.models.builder`).
+An LM head of a 5-8-bit type (both real files' tied Q8_0 embeddings) runs at
+``head_accuracy_level``: 4 (the default) as 8-bit blocks with int8
+activations, 0 in float32 (exact; a tied head then reads the float
+embedding transposed). Figures: the README's GGUF section.
 
 Why ``"q4"`` (with ``accuracy_level=0``) is the default: on
 SmolLM2-135M-Instruct's Q4_1 file (``scripts/bench_gguf_modes.py``, batch 1,
@@ -96,20 +100,17 @@ from ...log import long_wait
 from ..geometry import DecoderGeometry
 from .reader import (ARCHITECTURES, SUPPORTED_TYPES, GGUFFile, GGUFFormatError, kept_blocks,
                      read_geometry, read_weights)
+from .blocks import BlockQuantized
+from .options import (DEFAULT_HEAD_ACCURACY_LEVEL, DEFAULT_MAX_CONTEXT, FAMILIES, FORMAT_VERSION,
+                      WEIGHT_MODES, ImportOptions)
 from .tokenizer import tokenizer_json
 from ..graph import build_decoder, save_decoder
 from ...errors import UnsupportedModelError
 
 __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
-           "DEFAULT_MAX_CONTEXT", "import_gguf", "convert_gguf", "cache_dir_default",
+           "DEFAULT_MAX_CONTEXT", "DEFAULT_HEAD_ACCURACY_LEVEL",
+           "import_gguf", "convert_gguf", "cache_dir_default",
            "file_digest", "main"]
-
-WEIGHT_MODES = ("q4", "float32", "float16")
-FAMILIES = ("gqa", "optimum")
-#: bump when the folder's contents for the same file change
-FORMAT_VERSION = 3
-#: positions served (and RoPE table rows) unless ``max_context`` says otherwise
-DEFAULT_MAX_CONTEXT = 8192
 
 logger = logging.getLogger(__name__)
 
@@ -202,40 +203,6 @@ def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: b
             "tokenizer_config.json": tok_config, "genai_config.json": genai}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Options:
-    weights: str
-    family: str
-    accuracy_level: int
-    max_context: int = DEFAULT_MAX_CONTEXT
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) \
-                or self.max_context < 1:
-            raise ConfigError(f"Invalid max_context: expected a positive int, "
-                              f"got {self.max_context!r}")
-        if self.weights not in WEIGHT_MODES:
-            raise ConfigError(f"Invalid weights: expected one of {WEIGHT_MODES}, "
-                              f"got {self.weights!r}")
-        if self.family not in FAMILIES:
-            raise ConfigError(f"Invalid family: expected one of {FAMILIES}, "
-                              f"got {self.family!r}")
-        if self.accuracy_level not in (0, 4):
-            raise ConfigError(f"Invalid accuracy_level: expected 0 or 4, "
-                              f"got {self.accuracy_level!r}")
-
-    @property
-    def tag(self) -> str:
-        """How the options appear in a cache folder's name."""
-        acc = f"-acc{self.accuracy_level}" if self.accuracy_level else ""
-        return f"{self.weights}{acc}-{self.family}-ctx{self.max_context}"
-
-    def provenance(self, path: str) -> dict:
-        return {"source": os.path.basename(path), "weights": self.weights,
-                "family": self.family, "accuracy_level": self.accuracy_level,
-                "format_version": FORMAT_VERSION}
-
-
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.")
 
 
@@ -259,7 +226,7 @@ def _check_header(f: GGUFFile) -> None:
                                   f"the file has tensors for {present} layers")
 
 
-def _served(f: GGUFFile, c: DecoderGeometry, opts: _Options) -> DecoderGeometry:
+def _served(f: GGUFFile, c: DecoderGeometry, opts: ImportOptions) -> DecoderGeometry:
     """The geometry with the positions that will be served: ``max_context``,
     or the file's ``context_length`` when smaller. RoPE tables have as many
     rows (a file's 2**31 - 1 once asked for 16 GiB of them)."""
@@ -280,7 +247,7 @@ class _Header:
     file_context: int
 
 
-def _check(path: str, opts: _Options) -> _Header:
+def _check(path: str, opts: ImportOptions) -> _Header:
     """Everything the header shows (types, layers, architecture, geometry,
     vocabulary size), checked before the vocabulary or a tensor is read, and
     before the file is hashed: a file that will be refused is refused at once."""
@@ -294,16 +261,22 @@ def _check(path: str, opts: _Options) -> _Header:
     return _Header(f, arch, served, c.max_positions)
 
 
-def _build(header: _Header, folder: Path, opts: _Options, provenance: dict) -> None:
+def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict) -> None:
     """Write the model folder's files into ``folder`` (an empty directory)."""
     f, arch, c, file_context = header.file, header.arch, header.geometry, header.file_context
     text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
-    graph_geometry, tensors = read_weights(f, arch, c, opts.weights,
-                                       kept_blocks(opts.weights, opts.accuracy_level))
+    graph_geometry, tensors = read_weights(
+        f, arch, c, opts.weights, kept_blocks(opts.weights, opts.accuracy_level),
+        kept_blocks(opts.weights, opts.head_accuracy_level))
     del f, header
+    head = tensors.get("lm_head", tensors["embed"])      # 8-bit heads run at their own level
+    eight_bit = isinstance(head, BlockQuantized) and head.spec.bits == 8
     # weights stream into model.onnx.data as the graph takes them: held once, not thrice
     model = build_decoder(graph_geometry, tensors, family=opts.family,
-                          accuracy_level=opts.accuracy_level, name=f"{arch}_{opts.weights}",
+                          accuracy_level=opts.accuracy_level,
+                          head_accuracy_level=(opts.head_accuracy_level if eight_bit
+                                               else opts.accuracy_level),
+                          name=f"{arch}_{opts.weights}",
                           external_data=folder / "model.onnx.data")
     del tensors
     save_decoder(model, folder)
@@ -316,7 +289,7 @@ def _build(header: _Header, folder: Path, opts: _Options, provenance: dict) -> N
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
 
 
-def _write_atomically(path: str, header: _Header, target: Path, opts: _Options,
+def _write_atomically(path: str, header: _Header, target: Path, opts: ImportOptions,
                       provenance: dict) -> Path:
     """Build into a fresh directory beside ``target``, then rename it into place."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -343,10 +316,11 @@ def _write_atomically(path: str, header: _Header, target: Path, opts: _Options,
 
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "q4",
                  family: str = "gqa", accuracy_level: int = 0,
-                 max_context: int = DEFAULT_MAX_CONTEXT) -> Path:
+                 max_context: int = DEFAULT_MAX_CONTEXT,
+                 head_accuracy_level: int = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
     """Write the model folder for ``path`` at ``out_dir`` (which must not exist
     or be empty), without the cache. Same options and errors as :func:`import_gguf`."""
-    opts = _Options(weights, family, accuracy_level, max_context)
+    opts = ImportOptions(weights, family, accuracy_level, max_context, head_accuracy_level)
     target = Path(out_dir)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise ConfigError(f"Invalid out_dir: {str(target)!r} exists and is not an empty folder")
@@ -361,7 +335,8 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights
 
 def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "gqa",
                 cache_dir: str | os.PathLike | None = None, accuracy_level: int = 0,
-                max_context: int = DEFAULT_MAX_CONTEXT) -> Path:
+                max_context: int = DEFAULT_MAX_CONTEXT,
+                head_accuracy_level: int = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
     """The model folder of a GGUF file, built once and cached.
 
     Parameters
@@ -385,6 +360,11 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         ``config.json``'s ``max_position_embeddings``): this, or the file's
         ``context_length`` when smaller. ``config.json`` keeps both under
         ``"pagedkv_np"``.
+    head_accuracy_level : {0, 4}
+        In ``"q4"`` mode, the level of an LM head of a 5-8-bit type (Q8_0,
+        Q6_K, ...: both real files' tied embeddings; default 4): at 4 it runs
+        as 8-bit blocks with int8 activations, at 0 in float32, exact. A
+        4-bit head runs at ``accuracy_level``.
 
     Returns
     -------
@@ -405,7 +385,7 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         A truncated or corrupt file, or metadata that its tensors contradict
         (a subclass of UnsupportedModelError; the message names the key).
     """
-    opts = _Options(weights, family, accuracy_level, max_context)
+    opts = ImportOptions(weights, family, accuracy_level, max_context, head_accuracy_level)
     source = os.fspath(path)
     if not os.path.isfile(source):
         raise ConfigError(f"Invalid path: no file {source!r}")
@@ -430,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--family", choices=FAMILIES, default="gqa")
     parser.add_argument("--accuracy-level", type=int, choices=(0, 4), default=0,
                         help="q4 mode: 4 computes with int8 activations (faster, inexact)")
+    parser.add_argument("--head-accuracy-level", type=int, choices=(0, 4),
+                        default=DEFAULT_HEAD_ACCURACY_LEVEL,
+                        help="q4 mode: the LM head's (0: an 8-bit head in float32, exact)")
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="positions to serve (default %(default)s, or the file's "
                              "context_length when smaller)")
@@ -437,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="write the folder here instead of the cache")
     args = parser.parse_args(argv)
     options = dict(weights=args.weights, family=args.family,
-                   accuracy_level=args.accuracy_level, max_context=args.max_context)
+                   accuracy_level=args.accuracy_level, max_context=args.max_context,
+                   head_accuracy_level=args.head_accuracy_level)
     try:
         if args.out is not None:
             folder = convert_gguf(args.path, args.out, **options)

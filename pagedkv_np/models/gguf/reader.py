@@ -311,8 +311,8 @@ def kept_blocks(mode: str, accuracy_level: int) -> dict:
             if BLOCK_KINDS[kind].bits == 4 or accuracy_level == 4}
 
 
-def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: dict
-             ) -> tuple[DecoderGeometry, dict[str, Linear]]:
+def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: dict,
+                 head_blocks: dict | None = None) -> tuple[DecoderGeometry, dict[str, Linear]]:
     """The weights that :func:`~pagedkv_np.models.graph.build_decoder` takes.
 
     Parameters
@@ -325,13 +325,18 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
         as stored).
     blocks : dict
         From :func:`kept_blocks`: GGUF types kept as ggml blocks.
+    head_blocks : dict, optional
+        The same for the LM head (default ``blocks``): the head may run at an
+        accuracy level of its own.
 
     Returns
     -------
     (DecoderGeometry, dict)
-        The geometry of the graph (a tied head whose blocks are kept becomes
-        an ``lm_head`` of its own) and the weights by graph name, Q/K rows
-        back in the original order, fused tensors split.
+        The geometry of the graph and the weights by graph name, Q/K rows
+        back in the original order, fused tensors split. In ``"q4"`` mode the
+        embedding keeps its blocks (gathered exactly) unless it is a tied
+        head whose type ``head_blocks`` leaves out: then it is float rows that
+        the head reads transposed.
 
     Raises
     ------
@@ -359,6 +364,10 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
     for name in expected:
         if name not in f.tensors:
             raise GGUFFormatError(f"{f.path!r}: tensor {name!r} is missing")
+    head_blocks = blocks if head_blocks is None else head_blocks
+    kinds = {"lm_head": head_blocks,
+             "embed": {} if mode != "q4" else head_blocks if c.tie_word_embeddings
+             else _BLOCKS}
     out: dict[str, Linear] = {}
     for name, t in f.tensors.items():
         try:
@@ -368,12 +377,7 @@ def read_weights(f: GGUFFile, arch: str, c: DecoderGeometry, mode: str, blocks: 
         for key, rows in _graph_tensors(name, raw, c, spec):
             if spec.permuted_qk and key[-2:] in ("wq", "bq", "wk", "bk"):
                 rows = _unpermute(rows, c.num_heads if key[-1] == "q" else c.num_kv_heads)
-            out[key] = _convert(rows, t.tensor_type, key, mode, blocks)
-    embed = f.tensors["token_embd.weight"]
-    if "lm_head" not in out and embed.tensor_type in blocks:
-        # the tied head keeps the embedding's blocks; the graph gets it as its own head
-        out["lm_head"] = BlockQuantized(blocks[embed.tensor_type], np.array(embed.data))
-        c = dataclasses.replace(c, tie_word_embeddings=False)
+            out[key] = _convert(rows, t.tensor_type, key, mode, kinds.get(key, blocks))
     return c, out
 
 
@@ -402,6 +406,8 @@ def _convert(raw: np.ndarray, qtype: Any, key: str, mode: str, blocks: dict) -> 
     products of its codes and scales)."""
     if key in ("final_norm", "rope_freqs") or key.endswith(("norm", ".bq", ".bk", ".bv")):
         return gguf.quants.dequantize(raw, qtype).astype(np.float32).reshape(-1)
+    if key == "embed" and qtype in blocks:     # one row of blocks per token
+        return BlockQuantized(blocks[qtype], raw)
     if key == "embed":      # gathered by rows: float [vocab, hidden]
         dtype = np.float16 if mode == "float16" else np.float32
         return _rows(raw, qtype).astype(dtype, copy=False)
