@@ -14,9 +14,14 @@ pytest.importorskip("starlette", reason="the serve extra is not installed")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
-from test_serve import MODEL, NUM_PAGES, PAGE_SIZE, Server, build_folder  # noqa: E402
+from test_serve import (MODEL, NUM_PAGES, PAGE_SIZE, ROOT, Server, assert_error,  # noqa: E402
+                        build_folder)
 from test_serve_sampling import engine_logprobs, piece  # noqa: E402
+from test_serve_tools import ASK, HERMES, TOOLS, check_call, render  # noqa: E402
 
 PROMPT = "The capital of France is"
 NEW = 24
@@ -36,11 +41,80 @@ def dec(folder) -> OrtDecoder:
 
 
 @pytest.fixture(scope="module")
-def server(folder):
+def template_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_extras_template") / "hermes.jinja"
+    path.write_text(HERMES, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder, template_file):
+    """The plain ChatML folder served with a Hermes-style template file (for
+    a user's messages without tools it renders as ChatML does)."""
     s = Server(str(folder), "--num-pages", str(NUM_PAGES), "--page-size", str(PAGE_SIZE),
-               "--max-batch-size", "4", "--max-queue", "64")
+               "--max-batch-size", "4", "--max-queue", "64", "--chat-template",
+               str(template_file), log_level="info")
     yield s
     assert s.stop() == 0
+    summary = [line for line in s.output.splitlines() if "serving tiny" in line]
+    assert len(summary) == 1 and f"chat template {template_file} |" in summary[0], s.output
+
+
+# ----------------------------------------------------------------- --chat-template
+def test_chat_template_file_gives_plain_chatml_model_tools(server):
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    client = server.client()
+    got = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                         tool_choice="required", max_tokens=200,
+                                         temperature=0)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert len(calls) == 1 and calls[0].id.startswith("call_")
+    check_call(calls[0].function.name, calls[0].function.arguments)
+    # the prompt is the template file's rendering of the messages and tools
+    want = len(server_tokens(server, render(ASK, TOOLS)))
+    assert got.usage.prompt_tokens == want
+
+
+def server_tokens(server: Server, text: str) -> list[int]:
+    with server.http() as http:
+        return http.post("/tokenize", json={"content": text}).json()["tokens"]
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m.content }", "does not compile"),
+    ("missing.jinja", "no such file"),
+])
+def test_bad_chat_template_stops_the_server_naming_it(folder, tmp_path, template, message):
+    if template.endswith(".jinja"):
+        value = str(tmp_path / template)
+    else:
+        (tmp_path / "bad.jinja").write_text(template, encoding="utf-8")
+        value = str(tmp_path / "bad.jinja")
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", str(folder),
+                           "--num-pages", "16", "--chat-template", value],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    line = done.stderr.strip().splitlines()[-1]
+    assert f"--chat-template {value}" in line and message in line, done.stderr
+
+
+# --------------------------------------------------------------------- /tokenize
+def test_tokenize_messages_with_tools_renders_as_chat(server, dec):
+    with server.http() as http:
+        got = http.post("/tokenize", json={"messages": ASK, "tools": TOOLS}).json()
+        assert got["tokens"] == [int(t) for t in dec.text.encode(render(ASK, TOOLS),
+                                                                 add_special_tokens=False)]
+        assert got["count"] == len(got["tokens"])
+        bare = http.post("/tokenize", json={"messages": ASK, "tools": TOOLS,
+                                            "add_generation_prompt": False}).json()
+        tail = dec.text.encode("<|im_start|>assistant\n", add_special_tokens=False)
+        assert bare["tokens"] + [int(t) for t in tail] == got["tokens"]
+        assert_error(http.post("/tokenize", json={"messages": ASK, "tools": [{"type": "x"}]}),
+                     400, param="tools[0].type")
+        assert_error(http.post("/tokenize", json={"messages": ASK, "add_generation_prompt": 1}),
+                     400, param="add_generation_prompt")
 
 
 # ------------------------------------------------- logprobs cut by a stop string

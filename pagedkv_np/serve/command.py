@@ -3,7 +3,7 @@
 Every option is checked before the model loads (a bad one exits 2 with one
 line); the server then logs one start-up summary (model, architecture,
 layers, context, K/V dtype, pool in tokens and bytes, tiers, batch size,
-threads, address). Replicas that share a Redis/Valkey tier (``--redis-url``)
+threads, chat template, address). Replicas that share a Redis/Valkey tier (``--redis-url``)
 must hash pages alike: they read the same secret from the
 ``PAGEDKV_HASH_SECRET`` environment variable (never a command-line
 argument, which ``ps`` shows).
@@ -17,6 +17,8 @@ import os
 import socket
 import sys
 from typing import Any
+
+from .chat_template import describe_template, read_chat_template, use_chat_template
 
 __all__ = ["check_args", "describe_spin", "limits_of", "load_decoder", "main", "model_name",
            "parse_args", "session_options", "startup_summary", "thread_budget_of",
@@ -120,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-connections", type=int, default=512,
                    help="open connections (or running requests) past which a request "
                         "gets 503 (default 512)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file (or the template itself) in place of the "
+                        "model's (default: the model's own)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="(default info)")
@@ -332,7 +337,9 @@ def startup_summary(decoder: Any, args: Any, model_id: str) -> str:
             f"pages x {cache.page_size} = {cache.num_pages * cache.page_size} tokens, "
             f"{_size(cache.nbytes)} | tiers: {', '.join(tiers) or 'none'} | batch "
             f"{decoder.max_batch_size}, threads {budget.threads or 'all'}, spin "
-            f"{describe_spin(budget)} | http://{args.host}:{args.port}")
+            f"{describe_spin(budget)} | chat template "
+            f"{describe_template(getattr(args, 'chat_template', None))} | "
+            f"http://{args.host}:{args.port}")
 
 
 def describe_spin(budget: Any) -> str:
@@ -352,10 +359,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pagedkv serve: {problem}", file=sys.stderr)
         return 2
     try:
+        template = (None if args.chat_template is None
+                    else read_chat_template(args.chat_template))
+    except PagedKVError as exc:
+        print(f"pagedkv serve: {exc}", file=sys.stderr)
+        return 2
+    try:
         decoder = load_decoder(args)
     except (PagedKVError, OSError) as exc:
         print(f"pagedkv serve: cannot load the model: {exc}".splitlines()[0], file=sys.stderr)
         return 2
+    if template is not None:
+        try:
+            use_chat_template(decoder, template, describe_template(args.chat_template))
+        except PagedKVError as exc:
+            print(f"pagedkv serve: {exc}".splitlines()[0], file=sys.stderr)
+            return 2
     model_id = args.model_name or model_name(args.model)
     run_server(decoder, model_id=model_id, host=args.host,
                port=args.port, api_keys=args.api_key, max_queue=args.max_queue,

@@ -226,6 +226,19 @@ class PromptBuilder:
                            code="unsupported_parameter")
         return replace(req, tools=replace(req.tools, format=fmt))
 
+    def chat_text(self, req: GenerationRequest, add_generation_prompt: bool = True) -> str:
+        """A chat request's messages (and tools) through the chat template.
+
+        Raises
+        ------
+        PagedKVError
+            The template refused the messages.
+        """
+        tools = {} if req.tools is None else {"tools": list(req.tools.tools)}
+        return self.codec.apply_chat_template(list(req.messages or ()),
+                                              add_generation_prompt=add_generation_prompt,
+                                              **tools)
+
     def prompt_ids(self, req: GenerationRequest) -> np.ndarray:
         """The prompt's token ids, shape [n], int64 (n >= 1).
 
@@ -239,9 +252,7 @@ class PromptBuilder:
         try:
             if req.messages is not None:
                 # encode_chat, with the length check between its two steps
-                tools = {} if req.tools is None else {"tools": list(req.tools.tools)}
-                text = self.codec.apply_chat_template(list(req.messages),
-                                                      add_generation_prompt=True, **tools)
+                text = self.chat_text(req)
                 self._check_length(req, text)
                 ids = self.codec.encode(text, add_special_tokens=False)
             elif isinstance(req.prompt, str):

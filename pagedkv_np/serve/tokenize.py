@@ -6,8 +6,10 @@ shapes of llama.cpp's server and of vLLM's.
 - llama.cpp: ``{"content": str, "add_special": bool = false}`` ->
   ``{"tokens": [int, ...]}``;
 - vLLM: ``{"prompt": str, "add_special_tokens": bool = true}`` or
-  ``{"messages": [...], "add_generation_prompt": bool = true}`` (the chat
-  template applied, as ``/v1/chat/completions`` does) ->
+  ``{"messages": [...], "tools": [...], "add_generation_prompt": bool = true,
+  "add_special_tokens": bool = false}`` (the messages and tools checked and
+  rendered as ``/v1/chat/completions`` renders them: the same template, the
+  same 400s) ->
   ``{"tokens": [...], "count": int, "max_model_len": int}``.
 
 ``/detokenize``: ``{"tokens": [int, ...]}`` -> ``{"content": str, "prompt": str}``
@@ -73,11 +75,12 @@ class Tokenizing:
                 ids = codec.encode(text, add_special_tokens=_flag(body, "add_special", False))
                 return {"tokens": [int(t) for t in ids]}
             if "messages" in body:
-                req = parse_chat({"messages": body["messages"]})
-                text = codec.apply_chat_template(
-                    list(req.messages or ()),
-                    add_generation_prompt=_flag(body, "add_generation_prompt", True))
-                ids = codec.encode(text, add_special_tokens=False)
+                chat = {k: body[k] for k in ("messages", "tools", "tool_choice") if k in body}
+                req = self.prompts.bind_tools(parse_chat(chat))
+                text = self.prompts.chat_text(
+                    req, add_generation_prompt=_flag(body, "add_generation_prompt", True))
+                ids = codec.encode(text, add_special_tokens=_flag(body, "add_special_tokens",
+                                                                  False))
             elif "prompt" in body:
                 text = _text(body, "prompt")
                 ids = codec.encode(text, add_special_tokens=_flag(body, "add_special_tokens",
