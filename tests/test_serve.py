@@ -525,7 +525,8 @@ class TestErrors:
     @pytest.mark.parametrize("route, extra, param", [
         ("/v1/chat/completions", {"tools": [{"type": "function",
                                              "function": {"name": "f"}}]}, "tools"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/chat/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),

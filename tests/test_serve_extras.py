@@ -170,3 +170,38 @@ def test_logprobs_cover_the_text_before_a_stop_string(server, dec):
                                          stop=[stop])
     assert got.choices[0].message.content == full[:cut]
     assert [c.token for c in got.choices[0].logprobs.content] == want
+
+
+# -------------------------------------------------------------------------- echo
+def greedy(dec: OrtDecoder, ids, max_tokens: int = NEW) -> str:
+    return dec.text.decode(dec.generate([ids], max_new_tokens=max_tokens)[0])
+
+
+def test_echo_puts_the_prompt_before_the_completion(server, dec):
+    ids = dec.text.encode(PROMPT)
+    answer = greedy(dec, ids)
+    client = server.client()
+    # a stop string in the prompt does not cut the echo
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                    echo=True, stop=["capital"])
+    assert got.choices[0].text == PROMPT + answer.split("capital")[0]
+    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW,
+                                       temperature=0, echo=True, stream=True)
+    chunks = [c.choices[0].text for c in stream if c.choices]
+    assert chunks[0].startswith(PROMPT) and "".join(chunks) == PROMPT + answer
+    # token ids: their text; every choice of n carries it
+    got = client.completions.create(model=MODEL, prompt=[int(t) for t in ids], max_tokens=NEW,
+                                    temperature=0, echo=True, n=2)
+    assert [c.text for c in got.choices] == [dec.text.decode(ids) + answer] * 2
+    assert got.usage.completion_tokens == 2 * NEW or got.choices[0].finish_reason == "stop"
+
+
+def test_echo_refusals_name_the_fields(server):
+    with server.http() as http:
+        err = assert_error(http.post("/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 4, "echo": True, "logprobs": 1}), 400, param="echo")
+        assert "logprobs" in err["message"]
+        assert_error(http.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 4, "echo": True}), 400, param="echo")
+        assert_error(http.post("/v1/completions", json={
+            "prompt": PROMPT, "max_tokens": 4, "echo": "yes"}), 400, param="echo")

@@ -57,8 +57,10 @@ class TextStream(Protocol):
     logprobs kept with it (:class:`~pagedkv_np.serve.logprobs.HeldLogprobs`).
     """
 
-    text: str
     detokenizer: Any
+
+    @property
+    def text(self) -> str: ...
 
     @property
     def stopped(self) -> bool: ...

@@ -36,7 +36,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("pagedkv_np.serve needs tokenizers and jinja2: "
                       "pip install 'pagedkv-np[serve]'") from exc
 
-__all__ = ["PromptBuilder", "ServedDecoder", "TokenBound", "token_bound"]
+__all__ = ["EchoStream", "PromptBuilder", "ServedDecoder", "TokenBound", "token_bound"]
 
 # pre-tokenizers that keep every character: they split text, or add to it
 _KEEPING = ("ByteLevel", "Digits", "Metaspace", "Split", "Punctuation", "UnicodeScripts")
@@ -333,7 +333,42 @@ class PromptBuilder:
                            f"request's {max_tokens} max_tokens", param="min_tokens",
                            code="invalid_value")
 
-    def text_stream(self, req: GenerationRequest) -> TextStream:
-        """A fresh detokenizer with the request's stop strings."""
-        return TextStream(self.codec, stop=list(req.stop) or None,
-                          eos_token_ids=self.eos_token_ids)
+    def text_stream(self, req: GenerationRequest) -> TextStream | EchoStream:
+        """A fresh detokenizer with the request's stop strings (with ``echo``,
+        the prompt's text goes first)."""
+        stream = TextStream(self.codec, stop=list(req.stop) or None,
+                            eos_token_ids=self.eos_token_ids)
+        if not req.echo:
+            return stream
+        prompt = (req.prompt if isinstance(req.prompt, str)
+                  else self.codec.decode(list(req.prompt or ())))
+        return EchoStream(stream, prompt)
+
+
+class EchoStream:
+    """A :class:`TextStream` whose first text is ``prefix`` (completions'
+    ``echo``: the prompt before the completion); stop strings are looked for
+    in the completion only, and ``text`` is the completion's text."""
+
+    def __init__(self, stream: TextStream, prefix: str) -> None:
+        self.stream = stream
+        self.detokenizer = stream.detokenizer
+        self._prefix = prefix
+
+    @property
+    def stopped(self) -> bool:
+        return self.stream.stopped
+
+    @property
+    def text(self) -> str:
+        return self.stream.text
+
+    def _first(self, text: str) -> str:
+        out, self._prefix = self._prefix + text, ""
+        return out
+
+    def push(self, token_ids: list[int]) -> str:
+        return self._first(self.stream.push(token_ids))
+
+    def finish(self) -> str:
+        return self._first(self.stream.finish())

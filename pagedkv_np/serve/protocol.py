@@ -88,6 +88,8 @@ class GenerationRequest:
     n: int = 1
     #: chat's tools and tool_choice (None: no tools)
     tools: ToolRequest | None = None
+    #: completions: the prompt's text goes before each choice's text
+    echo: bool = False
 
 
 def parse_json(body: bytes) -> dict:
@@ -190,8 +192,8 @@ def _check_unsupported(body: dict, kind: str) -> None:
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
         raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
-    if _bool(body, "echo", False):
-        raise _unsupported("echo", "the prompt is not echoed")
+    if _bool(body, "echo", False) and kind == "chat":
+        raise _unsupported("echo", "echo is for /v1/completions")
     if body.get("suffix") not in (None, ""):
         raise _unsupported("suffix", "no insertion mode")
     if kind != "chat" and body.get("tools") not in (None, []):
@@ -338,12 +340,18 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
     if salt == "":
         raise _value_error("cache_salt", "expected a non-empty string")
     _str(body, "user")
+    engine_options = _engine_options(body, kind)
+    echo = _bool(body, "echo", False)
+    if echo and "logprobs" in engine_options:
+        # the engine keeps the logits of a prompt's last position only
+        raise _unsupported("echo", "echo with logprobs: the prompt's logprobs are not "
+                                   "computed; send echo or logprobs, not both")
     return GenerationRequest(kind=kind, model=_str(body, "model"), messages=messages,
                              prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
-                             cache_salt=salt, options=_engine_options(body, kind),
-                             n=_n(body))
+                             cache_salt=salt, options=engine_options, n=_n(body),
+                             echo=echo)
 
 
 def _message(i: int, msg: Any) -> dict:
