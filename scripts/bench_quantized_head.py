@@ -16,7 +16,8 @@ default; ``--gguf FILE`` for another, e.g. Gemma 3 270M Q4_K_M), in the
               prompt, ``eos_token_id=[]``, the model loaded once per round in
               a fresh process) for each level, and for ``--before DIR`` (a
               source tree of the code before, its own import of the file):
-              medians and ranges of tokens/s; import time (fresh, in a
+              medians and ranges of tokens/s, process CPU ms per token
+              (which a busy machine moves less than wall time); import time (fresh, in a
               subprocess) and the folder's size.
 
 Run: ``.venv/bin/python scripts/bench_quantized_head.py [numerics|speed]
@@ -54,10 +55,11 @@ dec.generate([prompt], max_new_tokens=2, eos_token_id=[])
 rid = dec.add_request(prompt, max_new_tokens=65, eos_token_id=[])
 while not dec.get_output(rid):
     dec.step()
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 while not dec.is_finished(rid):
     dec.step()
-print(json.dumps({"tok_s": 64 / (time.perf_counter() - start)}))
+print(json.dumps({"tok_s": 64 / (time.perf_counter() - start),
+                  "cpu_ms": (time.process_time() - cpu) / 64 * 1e3}))
 """
 
 
@@ -102,17 +104,22 @@ def speed(args: argparse.Namespace) -> None:
             print(f"{way}: import {seconds:.1f} s, folder {_size_mb(folder):.0f} MB",
                   flush=True)
         rates: dict[str, list[float]] = {way: [] for way in ways}
+        cpu: dict[str, list[float]] = {way: [] for way in ways}
         for r in range(args.rounds):
             for way, src in ways.items():
                 level = "before" if way == "before" else way[-1]
                 out = subprocess.run([sys.executable, "-c", _DECODE, args.gguf, level,
                                       caches[way], str(args.threads)], check=True, cwd=src,
                                      capture_output=True, text=True, env=_env(src)).stdout
-                rates[way].append(json.loads(out.strip().splitlines()[-1])["tok_s"])
+                got = json.loads(out.strip().splitlines()[-1])
+                rates[way].append(got["tok_s"])
+                cpu[way].append(got["cpu_ms"])
             print(f"round {r + 1}, load {os.getloadavg()[0]:.1f}: " + ", ".join(
-                f"{way} {v[-1]:.1f}" for way, v in rates.items()), flush=True)
+                f"{way} {v[-1]:.1f} tok/s {cpu[way][-1]:.0f} CPU ms" for way, v in rates.items()),
+                flush=True)
     for way, v in rates.items():
-        print(f"{way}: median {statistics.median(v):.1f} tok/s ({min(v):.1f}-{max(v):.1f})")
+        print(f"{way}: median {statistics.median(v):.1f} tok/s ({min(v):.1f}-{max(v):.1f}), "
+              f"{statistics.median(cpu[way]):.0f} CPU ms/token")
 
 
 def _all_logits(session, ids: list[list[int]]) -> np.ndarray:

@@ -179,6 +179,18 @@ def test_a_tiny_import_loads_without_warnings(tmp_path):
     assert _load_stderr(folder) == ""
 
 
+def test_the_engine_loads_an_import_without_onnxruntime_warnings(tmp_path):
+    """OrtDecoder no longer lowers onnxruntime's log level to hide them."""
+    spec = _write(tmp_path, Q.Q8_0, tied=True)
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    code = ("import sys; from pagedkv_np.onnxruntime import OrtDecoder\n"
+            "dec = OrtDecoder(sys.argv[1], num_pages=8, page_size=4)\n"
+            "print(dec.generate([[5, 6, 7]], max_new_tokens=2, eos_token_id=[]))\n")
+    out = subprocess.run([sys.executable, "-c", code, str(folder / "model.onnx")],
+                         capture_output=True, text=True, timeout=600, check=True)
+    assert out.stdout.startswith("[[") and "onnxruntime" not in out.stderr
+
+
 def test_smollm2_import_loads_without_warnings():
     folder = import_gguf(_smollm2_path())       # the user cache: imported once
     assert _load_stderr(folder) == ""

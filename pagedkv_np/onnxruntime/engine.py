@@ -199,10 +199,6 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                    if disk_cache is not None or redis_url is not None else None)
         del proto
         options = self.threads.session_options(session_options)
-        if session_options is None:
-            # onnxruntime warns at load of every graph of models.graph that its
-            # logits_to_keep input has a default: that is the point of it
-            options.log_severity_level = 3
         self.session = make_session(source, options, providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
