@@ -528,7 +528,7 @@ class TestErrors:
         ("/v1/chat/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"echo": True, "logprobs": 1}, "echo"),
         ("/v1/completions", {"suffix": "end"}, "suffix"),
-        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"best_of": 2, "stream": True}, "best_of"),
         ("/v1/completions", {"prompt": ["one", "two"]}, "prompt"),
     ])
     def test_unsupported_options(self, server, route, extra, param):

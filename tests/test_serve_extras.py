@@ -205,3 +205,54 @@ def test_echo_refusals_name_the_fields(server):
             "messages": ASK, "max_tokens": 4, "echo": True}), 400, param="echo")
         assert_error(http.post("/v1/completions", json={
             "prompt": PROMPT, "max_tokens": 4, "echo": "yes"}), 400, param="echo")
+
+
+# ----------------------------------------------------------------------- best_of
+def engine_best_of(dec: OrtDecoder, ids, best_of: int, n: int | None, seed: int,
+                   logprobs: int = 0) -> list[tuple[str, list[float]]]:
+    """(text, token logprobs) of the n of best_of parallel continuations with
+    the highest sum of token logprobs, best first, run in-process (n None:
+    every candidate, in the engine's order)."""
+    rids = dec.add_parallel_requests(ids, best_of, NEW, seed=seed, temperature=2.0,
+                                     logprobs=logprobs)
+    while dec.has_unfinished_requests():
+        dec.step()
+    out = []
+    for rid in rids:
+        entries = dec.get_logprobs(rid)
+        out.append((dec.text.decode(dec.pop_output(rid)), [e.logprob for e in entries]))
+    return out if n is None else sorted(out, key=lambda c: -sum(c[1]))[:n]
+
+
+def test_best_of_returns_the_n_most_likely_candidates(server, dec):
+    ids = dec.text.encode(PROMPT)
+    want = engine_best_of(dec, ids, 4, 2, seed=7)
+    everything = engine_best_of(dec, ids, 4, None, seed=7)
+    assert len({text for text, _ in everything}) == 4   # sampled: the candidates differ
+    assert want != everything[:2]   # the ranking matters here
+    client = server.client()
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=2,
+                                    seed=7, n=2, best_of=4)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [text for text, _ in want]
+    assert all(c.logprobs is None for c in got.choices)   # not asked for
+    # every candidate's tokens are billed
+    assert got.usage.completion_tokens == sum(len(lp) for _, lp in everything)
+    # with logprobs: the chosen candidates' own
+    want = engine_best_of(dec, ids, 3, 1, seed=11, logprobs=1)
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=NEW, temperature=2,
+                                    seed=11, best_of=3, logprobs=1)
+    assert got.choices[0].text == want[0][0]
+    assert got.choices[0].logprobs.token_logprobs == want[0][1]
+
+
+@pytest.mark.parametrize("extra", [
+    {"best_of": 1, "n": 2}, {"best_of": 3, "stream": True}, {"best_of": 5}, {"best_of": 0},
+    {"best_of": "2"},
+])
+def test_bad_best_of_is_400(server, extra):
+    with server.http() as http:
+        assert_error(http.post("/v1/completions", json=dict(prompt=PROMPT, max_tokens=4,
+                                                            **extra)), 400, param="best_of")
+        assert_error(http.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 4, "best_of": 2}), 400, param="best_of")

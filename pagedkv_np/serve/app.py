@@ -45,8 +45,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
-import hmac
 import logging
 import signal
 import threading
@@ -66,8 +64,9 @@ from .metrics import CONTENT_TYPE
 from .prompts import PromptBuilder
 from .protocol import (APIError, GenerationRequest, parse_chat, parse_completion, parse_json,
                        unknown_fields)
-from .responses import (SSE_DONE, chat_chunk, chat_response, choices_usage,
+from .responses import (SSE_DONE, best_choices, chat_chunk, chat_response, choices_usage,
                         completion_response, sse, update_events, usage_chunk)
+from .tenants import cache_salt, tenant_of
 from .tokenize import Tokenizing
 from .tools import tool_stream
 
@@ -114,36 +113,8 @@ class _Server:
 
     # ------------------------------------------------------------ helpers
     def tenant(self, request: Request) -> str | None:
-        """The caller's tenant id (a digest of its key), None without keys.
-
-        Raises
-        ------
-        APIError
-            401: no key, or not one of the server's keys.
-        """
-        if not self.api_keys:
-            return None
-        header = request.headers.get("authorization", "")
-        scheme, _, key = header.partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise APIError("Missing API key: send 'Authorization: Bearer KEY'", status=401,
-                           code="invalid_api_key")
-        matched = False
-        for k in self.api_keys:   # every key compared, in constant time each
-            matched |= hmac.compare_digest(k.encode(), key.encode())
-        if not matched:
-            raise APIError("Incorrect API key provided", status=401, code="invalid_api_key")
-        return hashlib.sha256(key.encode()).hexdigest()[:32]
-
-    @staticmethod
-    def salt(tenant: str | None, req: GenerationRequest) -> str | None:
-        parts = []
-        if tenant is not None:
-            parts.append(f"key:{tenant}")
-        if req.cache_salt is not None:
-            parts.append(f"salt:{req.cache_salt}")
-        return "\n".join(parts) if parts else None
+        """The caller's tenant id (:func:`~pagedkv_np.serve.tenants.tenant_of`)."""
+        return tenant_of(self.api_keys, request.headers.get("authorization", ""))
 
     # ------------------------------------------------------------- routes
     async def health(self, request: Request) -> Response:
@@ -206,13 +177,13 @@ class _Server:
             self.mailbox = Mailbox(asyncio.get_running_loop())
         queue: asyncio.Queue[Update] = asyncio.Queue()
         sampling = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k,
-                    "seed": req.seed, "constraint": constraint, **req.options}
-        salt = self.salt(tenant, req)
+                    "seed": req.seed, "constraint": constraint, **req.engine_options}
+        salt = cache_salt(tenant, req.cache_salt)
         jobs = [Job(ids, max_tokens, self.prompts.text_stream(req),
                     functools.partial(self.mailbox.post_choice, queue, i),
-                    sampling=sampling, salt=salt, arrival=arrival) for i in range(req.n)]
+                    sampling=sampling, salt=salt, arrival=arrival) for i in range(req.best_of)]
         try:
-            if req.n == 1:
+            if req.best_of == 1:
                 self.engine.submit(jobs[0])
             else:
                 self.engine.submit_parallel(jobs)
@@ -249,9 +220,11 @@ class _Server:
         max_tokens = self.prompts.max_tokens(req, int(ids.shape[0]))
         self.prompts.check_options(req, max_tokens)
         most = self.engine.decoder.max_batch_size
-        if req.n > most:
-            raise APIError(f"Invalid value for 'n': at most {most} choices (the server's "
-                           f"max batch size), got {req.n}", param="n", code="invalid_value")
+        if req.best_of > most:   # best_of is n unless given
+            name = "n" if req.best_of == req.n else "best_of"
+            raise APIError(f"Invalid value for '{name}': at most {most} choices (the server's "
+                           f"max batch size), got {req.best_of}", param=name,
+                           code="invalid_value")
         return req, ids, max_tokens, constraint_for(self.engine.decoder, data, req.tools)
 
     def log_unknown(self, data: dict) -> None:
@@ -272,6 +245,7 @@ class _Server:
         parts: list[list[str]] = [[] for _ in jobs]
         writers = [self.logprob_writer(req) for _ in jobs]
         logprobs: list[list[dict]] = [[] for _ in jobs]
+        scores = [0.0] * len(jobs)   # cumulative token logprobs, for best_of
         last: dict[int, Update] = {}
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -284,6 +258,7 @@ class _Server:
                     return Response(status_code=499)   # nobody reads it
                 update: Update = get.result()
                 parts[update.index].append(update.text)
+                scores[update.index] += sum(e.logprob for e in update.logprobs)
                 writer = writers[update.index]
                 if writer is not None and update.logprobs:
                     logprobs[update.index].append(writer.format(update.logprobs))
@@ -308,7 +283,7 @@ class _Server:
             if writer is not None:
                 joined = LogprobWriter.join(logprobs[i]) or writer.format(())
             choices.append(("".join(parts[i]), last[i].finish_reason, joined))
-        return JSONResponse(build(response_id, created, model, choices,
+        return JSONResponse(build(response_id, created, model, best_choices(choices, scores, req.n),
                                   choices_usage(list(last.values()))))
 
     def cancel(self, jobs: list[Job]) -> None:

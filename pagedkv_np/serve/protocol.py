@@ -10,7 +10,7 @@ field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``best_of``, ``tools`` on completions) is a 400
+server does not implement (``best_of`` on chat, ``tools`` on completions) is a 400
 too, rather than silently different output. Chat's tool fields are checked
 in :mod:`~pagedkv_np.serve.tools`. A body nested too deeply for
 the JSON parser is a 400 as well.
@@ -90,6 +90,17 @@ class GenerationRequest:
     tools: ToolRequest | None = None
     #: completions: the prompt's text goes before each choice's text
     echo: bool = False
+    #: completions: candidates generated, of which the ``n`` with the highest
+    #: cumulative token logprob are returned (``best_of`` = ``n``: all)
+    best_of: int = 1
+
+    @property
+    def engine_options(self) -> dict:
+        """``options`` with what ranking ``best_of`` candidates needs (each
+        token's logprob, without alternatives, when none were asked for)."""
+        if self.best_of > self.n and "logprobs" not in self.options:
+            return {**self.options, "logprobs": 0}
+        return self.options
 
 
 def parse_json(body: bytes) -> dict:
@@ -188,10 +199,22 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(dict.fromkeys(items))
 
 
+def _best_of(body: dict, kind: str, n: int) -> int:
+    """Candidates of a completion: ``best_of``, at least ``n``; not streamed."""
+    best_of = _int(body, "best_of", None)
+    if best_of is None:
+        return n
+    if kind == "chat" and best_of != 1:
+        raise _unsupported("best_of", "best_of is for /v1/completions")
+    if best_of < n:
+        raise _value_error("best_of", f"expected best_of >= n = {n}, got {best_of}")
+    if best_of > n and _bool(body, "stream", False):
+        raise _unsupported("best_of", "best_of with stream: the best candidates are known "
+                                      "only at the end")
+    return max(best_of, 1)
+
+
 def _check_unsupported(body: dict, kind: str) -> None:
-    best_of = _int(body, "best_of", 1)
-    if best_of != 1:
-        raise _unsupported("best_of", f"one candidate per request, got best_of = {best_of}")
     if _bool(body, "echo", False) and kind == "chat":
         raise _unsupported("echo", "echo is for /v1/completions")
     if body.get("suffix") not in (None, ""):
@@ -346,12 +369,13 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
         # the engine keeps the logits of a prompt's last position only
         raise _unsupported("echo", "echo with logprobs: the prompt's logprobs are not "
                                    "computed; send echo or logprobs, not both")
+    n = _n(body)
     return GenerationRequest(kind=kind, model=_str(body, "model"), messages=messages,
                              prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
-                             cache_salt=salt, options=engine_options, n=_n(body),
-                             echo=echo)
+                             cache_salt=salt, options=engine_options, n=n,
+                             echo=echo, best_of=_best_of(body, kind, n))
 
 
 def _message(i: int, msg: Any) -> dict:

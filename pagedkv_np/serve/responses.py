@@ -20,8 +20,9 @@ from .protocol import GenerationRequest
 from .tool_calls import ToolCall, ToolStream, call_deltas, calls_json, parse_calls
 from .tools import ToolRequest
 
-__all__ = ["usage_json", "choices_usage", "chat_response", "completion_response", "chat_chunk",
-           "completion_chunk", "usage_chunk", "sse", "SSE_DONE", "update_events"]
+__all__ = ["best_choices", "usage_json", "choices_usage", "chat_response",
+           "completion_response", "chat_chunk", "completion_chunk", "usage_chunk", "sse",
+           "SSE_DONE", "update_events"]
 
 
 def usage_json(num_prompt_tokens: int, num_completion_tokens: int,
@@ -49,6 +50,17 @@ def _message(text: str, reason: str | None, tools: ToolRequest | None) -> tuple[
         return {"role": "assistant", "content": text}, reason
     message = {"role": "assistant", "content": content, "tool_calls": calls_json(calls)}
     return message, ("tool_calls" if reason == "stop" else reason)
+
+
+def best_choices(choices: list[tuple], scores: list[float], n: int) -> list[tuple]:
+    """The ``n`` choices of highest ``scores`` (each candidate's cumulative
+    token logprob, as vLLM ranks ``best_of`` candidates; OpenAI says "highest
+    log probability per token" without saying how it is summed), best
+    first; all of them, in order, when there are ``n``."""
+    if len(choices) == n:
+        return choices
+    order = sorted(range(len(choices)), key=lambda i: -scores[i])
+    return [choices[i] for i in order[:n]]
 
 
 def chat_response(response_id: str, created: int, model: str, choices: list[tuple],
