@@ -14,12 +14,16 @@ pytest.importorskip("starlette", reason="the serve extra is not installed")
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
+import json  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
+from tokenizers import Tokenizer  # noqa: E402
+
+from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
-from test_serve import (MODEL, NUM_PAGES, PAGE_SIZE, ROOT, Server, assert_error,  # noqa: E402
-                        build_folder)
+from test_serve import (CONTEXT, MODEL, NUM_PAGES, PAGE_SIZE, ROOT, Server,  # noqa: E402
+                        assert_error, build_folder)
 from test_serve_sampling import engine_logprobs, piece  # noqa: E402
 from test_serve_tools import ASK, HERMES, TOOLS, check_call, render  # noqa: E402
 
@@ -256,3 +260,69 @@ def test_bad_best_of_is_400(server, extra):
                                                             **extra)), 400, param="best_of")
         assert_error(http.post("/v1/chat/completions", json={
             "messages": ASK, "max_tokens": 4, "best_of": 2}), 400, param="best_of")
+
+
+# -------------------------------------------------------- suffix (fill-in-the-middle)
+FIM = ["<fim_prefix>", "<fim_suffix>", "<fim_middle>"]
+
+
+@pytest.fixture(scope="module")
+def fim_folder(tmp_path_factory):
+    """The test folder with StarCoder's three infilling tokens added to its
+    vocabulary (and a decoder whose vocabulary covers them)."""
+    path = tmp_path_factory.mktemp("serve_fim") / MODEL
+    build_folder(path)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens(FIM)
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    save_model(build_model(DecoderConfig(vocab_size=vocab, max_positions=CONTEXT)),
+               str(path / "model.onnx"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, vocab_size=vocab)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def fim_server(fim_folder):
+    s = Server(str(fim_folder), "--num-pages", "64", "--page-size", str(PAGE_SIZE),
+               "--max-batch-size", "2", "--max-queue", "8")
+    yield s
+    assert s.stop() == 0
+
+
+def test_suffix_builds_the_prefix_suffix_middle_prompt(fim_server, fim_folder):
+    fim_dec = OrtDecoder.from_pretrained(str(fim_folder), num_pages=64, page_size=PAGE_SIZE)
+    tok = fim_dec.text.tokenizer
+    pre, suf, mid = (tok.token_to_id(name) for name in FIM)
+    suffix = " is the capital."
+    by_hand = ([pre] + [int(t) for t in fim_dec.text.encode("Paris", add_special_tokens=False)]
+               + [suf] + [int(t) for t in fim_dec.text.encode(suffix, add_special_tokens=False)]
+               + [mid])
+    want = fim_dec.generate([by_hand], max_new_tokens=8)[0]
+    client = fim_server.client()
+    got = client.completions.create(model=MODEL, prompt="Paris", suffix=suffix, max_tokens=8,
+                                    temperature=0)
+    assert got.usage.prompt_tokens == len(by_hand)
+    assert got.choices[0].text == fim_dec.text.decode(want)
+    # a prompt of token ids is the prefix as given
+    ids = [int(t) for t in fim_dec.text.encode("Paris", add_special_tokens=False)]
+    again = client.completions.create(model=MODEL, prompt=ids, suffix=suffix, max_tokens=8,
+                                      temperature=0)
+    assert again.choices[0].text == got.choices[0].text
+    # no suffix: a plain prompt
+    plain = client.completions.create(model=MODEL, prompt="Paris", max_tokens=2, temperature=0)
+    assert plain.usage.prompt_tokens == len(ids)
+    with fim_server.http() as http:
+        assert_error(http.post("/v1/completions", json={"prompt": "x", "suffix": 3}), 400,
+                     param="suffix")
+        assert_error(http.post("/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 4, "suffix": "x"}), 400, param="suffix")
+
+
+def test_suffix_without_fim_tokens_is_400(server):
+    with server.http() as http:
+        err = assert_error(http.post("/v1/completions", json={
+            "prompt": PROMPT, "suffix": "end", "max_tokens": 4}), 400, param="suffix",
+            code="unsupported_parameter")
+        assert "fim_prefix" in err["message"]

@@ -27,6 +27,7 @@ import numpy as np
 
 from ..errors import ConfigError, ContextLengthExceeded, PagedKVError
 from ..onnxruntime.limits import RequestLimits
+from .infill import fim_token_ids, infill_ids
 from .protocol import APIError, GenerationRequest
 from .tool_calls import detect_format
 
@@ -196,6 +197,8 @@ class PromptBuilder:
         vocab = getattr(decoder.io, "vocab_size", None)
         self.vocab_size = int(vocab) if vocab is not None else int(codec.vocab_size)
         self.bound = token_bound(getattr(codec, "tokenizer", None))
+        # fill-in-the-middle tokens (completions' suffix), None without them
+        self.fim = fim_token_ids(codec)
 
     def bind_tools(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with its tools in the served chat template's call format
@@ -255,6 +258,8 @@ class PromptBuilder:
                 text = self.chat_text(req)
                 self._check_length(req, text)
                 ids = self.codec.encode(text, add_special_tokens=False)
+            elif req.suffix is not None:
+                ids = self._infill(req)
             elif isinstance(req.prompt, str):
                 self._check_length(req, req.prompt)
                 ids = self.codec.encode(req.prompt)
@@ -273,6 +278,21 @@ class PromptBuilder:
                            f"vocabulary [0, {self.vocab_size})", param="prompt",
                            code="invalid_value")
         return ids
+
+    def _infill(self, req: GenerationRequest) -> np.ndarray:
+        """The fill-in-the-middle prompt of a completion with a ``suffix``."""
+        if self.fim is None:
+            raise APIError("'suffix' is not supported by this model: its vocabulary has no "
+                           "fill-in-the-middle tokens (<fim_prefix>, <fim_suffix>, "
+                           "<fim_middle>)", param="suffix", code="unsupported_parameter")
+        suffix = str(req.suffix)
+        if isinstance(req.prompt, str):
+            self._check_length(req, req.prompt + suffix)
+            prefix = self.codec.encode(req.prompt, add_special_tokens=False)
+        else:
+            self._check_length(req, suffix)
+            prefix = req.prompt or ()
+        return infill_ids(self.codec, self.fim, prefix, suffix)
 
     def _check_length(self, req: GenerationRequest, text: str) -> None:
         """A 400 for a text that has more tokens than the context, by the bound."""

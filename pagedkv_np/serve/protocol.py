@@ -10,7 +10,8 @@ field of the wrong type or out of range is a 400 naming the field in
 ``param``, and so is a string that is not valid Unicode text (a lone
 surrogate such as ``"\\ud800"``: valid JSON, but no UTF-8 encodes it, so
 neither the tokenizer nor a response could carry it); a known feature this
-server does not implement (``best_of`` on chat, ``tools`` on completions) is a 400
+server does not implement (``best_of`` on chat, ``tools`` on completions,
+``suffix`` for a model without fill-in-the-middle tokens) is a 400
 too, rather than silently different output. Chat's tool fields are checked
 in :mod:`~pagedkv_np.serve.tools`. A body nested too deeply for
 the JSON parser is a 400 as well.
@@ -93,6 +94,8 @@ class GenerationRequest:
     #: completions: candidates generated, of which the ``n`` with the highest
     #: cumulative token logprob are returned (``best_of`` = ``n``: all)
     best_of: int = 1
+    #: completions: the text after the insertion (fill-in-the-middle), or None
+    suffix: str | None = None
 
     @property
     def engine_options(self) -> dict:
@@ -217,8 +220,8 @@ def _best_of(body: dict, kind: str, n: int) -> int:
 def _check_unsupported(body: dict, kind: str) -> None:
     if _bool(body, "echo", False) and kind == "chat":
         raise _unsupported("echo", "echo is for /v1/completions")
-    if body.get("suffix") not in (None, ""):
-        raise _unsupported("suffix", "no insertion mode")
+    if kind == "chat" and body.get("suffix") not in (None, ""):
+        raise _unsupported("suffix", "suffix is for /v1/completions")
     if kind != "chat" and body.get("tools") not in (None, []):
         raise _unsupported("tools", "tools are for /v1/chat/completions")
 
@@ -375,7 +378,8 @@ def _common(body: dict, kind: str, messages: tuple[dict, ...] | None,
                              top_p=top_p, top_k=top_k, seed=seed, stop=_stop(body),
                              stream=_bool(body, "stream", False), include_usage=include_usage,
                              cache_salt=salt, options=engine_options, n=n,
-                             echo=echo, best_of=_best_of(body, kind, n))
+                             echo=echo, best_of=_best_of(body, kind, n),
+                             suffix=_str(body, "suffix") or None)
 
 
 def _message(i: int, msg: Any) -> dict:
