@@ -1,7 +1,8 @@
 """The same greedy request gives the same tokens however the engine serves it.
 
 SmolLM2-135M-Instruct as ``from_pretrained()`` imports it by default (exact
-4-bit blocks, ``accuracy_level=0``): a request alone and uncached is the
+4-bit blocks at ``accuracy_level=0``, the tied Q8_0 LM head at the default
+``head_accuracy_level``): a request alone and uncached is the
 reference; the same request with its system prompt cached (prefix reuse,
 its K/V computed by an earlier request in chunks of other sizes), inside a
 batch of 4 (decoded 4 rows at a time, prompts fed in 64-token and 8-token
@@ -13,9 +14,9 @@ row alone (M=1) on another path than rows in a batch, and the two differ in
 the last bits (about 1e-5 of a row's scale, at accuracy levels 0 and 4;
 ``scripts/bench_accuracy.py rows``). In float32 arithmetic that stays below
 the gap between the top two logits of these answers; int8 activations
-(``accuracy_level=4``) round it into whole quantization steps, and there 3
-of these 4 answers changed inside a batch (``scripts/bench_accuracy.py
-determinism``), which is one reason level 4 is not the default.
+(``accuracy_level=4``) round it into whole quantization steps: run against
+a level-4 import, these tests saw all 4 answers change in a batch and in
+8-token chunks, which is one reason level 4 is not the default (README).
 """
 
 from __future__ import annotations
