@@ -21,7 +21,10 @@ import sys  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model  # noqa: E402
+from pagedkv_np.errors import ConfigError  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
+from pagedkv_np.serve.chat_template import (describe_template, read_chat_template,  # noqa: E402
+                                            use_chat_template)
 from test_serve import (CONTEXT, MODEL, NUM_PAGES, PAGE_SIZE, ROOT, Server,  # noqa: E402
                         assert_error, build_folder)
 from test_serve_sampling import engine_logprobs, piece  # noqa: E402
@@ -102,6 +105,36 @@ def test_bad_chat_template_stops_the_server_naming_it(folder, tmp_path, template
     assert done.returncode == 2, done.stderr
     line = done.stderr.strip().splitlines()[-1]
     assert f"--chat-template {value}" in line and message in line, done.stderr
+
+
+def test_read_chat_template_file_inline_or_refused(tmp_path, folder):
+    path = tmp_path / "t.jinja"
+    path.write_text(HERMES, encoding="utf-8")
+    assert read_chat_template(str(path)) == HERMES
+    assert describe_template(str(path)) == str(path)
+    inline = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    assert read_chat_template(inline) == inline and describe_template(inline) == "inline"
+    assert describe_template(None) == "the model's"
+    (tmp_path / "latin1.jinja").write_bytes(b"{{ '\xe9' }}")
+    (tmp_path / "empty.jinja").write_text("  \n")
+    (tmp_path / "big.jinja").write_text("{{ x }}" + " " * (1 << 20))
+    for value, message in ((str(tmp_path / "nope.jinja"), "no such file"),
+                           (str(tmp_path / "latin1.jinja"), "not UTF-8"),
+                           (str(tmp_path / "empty.jinja"), "empty"),
+                           (str(tmp_path / "big.jinja"), "more than")):
+        with pytest.raises(ConfigError, match=message) as info:
+            read_chat_template(value)
+        assert value in str(info.value)
+    # compiled when it is put in place; a failure leaves the model's template
+    fresh = OrtDecoder.from_pretrained(str(folder), num_pages=16, page_size=PAGE_SIZE)
+    own = fresh.text.template_source()
+    with pytest.raises(ConfigError, match="--chat-template bad.jinja: .*does not compile"):
+        use_chat_template(fresh, "{% if %}", "bad.jinja")
+    assert fresh.text.template_source() == own
+    use_chat_template(fresh, inline, "inline")
+    assert fresh.text.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert fresh.text.encode("hi").tolist() == OrtDecoder.from_pretrained(
+        str(folder), num_pages=16, page_size=PAGE_SIZE).text.encode("hi").tolist()
 
 
 # --------------------------------------------------------------------- /tokenize
