@@ -25,6 +25,7 @@ from pagedkv_np.errors import ConfigError  # noqa: E402
 from pagedkv_np.onnxruntime import OrtDecoder  # noqa: E402
 from pagedkv_np.serve.chat_template import (describe_template, read_chat_template,  # noqa: E402
                                             use_chat_template)
+from pagedkv_np.serve.infill import gguf_fim_token_ids  # noqa: E402
 from test_serve import (CONTEXT, MODEL, NUM_PAGES, PAGE_SIZE, ROOT, Server,  # noqa: E402
                         assert_error, build_folder)
 from test_serve_sampling import engine_logprobs, piece  # noqa: E402
@@ -359,3 +360,39 @@ def test_suffix_without_fim_tokens_is_400(server):
             "prompt": PROMPT, "suffix": "end", "max_tokens": 4}), 400, param="suffix",
             code="unsupported_parameter")
         assert "fim_prefix" in err["message"]
+
+
+def test_suffix_uses_a_gguf_files_fim_token_ids(tmp_path, monkeypatch):
+    """A GGUF file's tokenizer.ggml.fim_*_token_id name the infilling tokens,
+    whatever they are called (here three tokens not named fim at all)."""
+    gguf = pytest.importorskip("gguf")
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+
+    from pagedkv_np.models.gguf.importer import import_gguf
+    from test_gguf_import import vocab, write_gguf
+
+    plain, path = tmp_path / "plain.gguf", tmp_path / "tiny.gguf"
+    write_gguf(plain)
+    assert gguf_fim_token_ids(str(plain)) is None
+    tokens, _ = vocab()
+    fim = [tokens.index(name) for name in ("<|im_start|>", "<|im_end|>", "<tool>")]
+    keys = ("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id",
+            "tokenizer.ggml.fim_mid_token_id")
+    copy_with_new_metadata(
+        gguf.GGUFReader(str(plain)), gguf.GGUFWriter(str(path), "llama"),
+        {k: MetadataDetails(gguf.GGUFValueType.UINT32, i) for k, i in zip(keys, fim)}, [])
+    assert gguf_fim_token_ids(str(path)) == tuple(fim)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    tiny = OrtDecoder.from_pretrained(import_gguf(str(path)), num_pages=16, page_size=PAGE_SIZE)
+    by_hand = ([fim[0]] + [int(t) for t in tiny.text.encode("hello", add_special_tokens=False)]
+               + [fim[1]] + [int(t) for t in tiny.text.encode(" world", add_special_tokens=False)]
+               + [fim[2]])
+    want = tiny.text.decode(tiny.generate([by_hand], max_new_tokens=4)[0])
+    server = Server(str(path), "--num-pages", "16", "--page-size", str(PAGE_SIZE))
+    try:
+        got = server.client().completions.create(model="tiny", prompt="hello", suffix=" world",
+                                                 max_tokens=4, temperature=0)
+    finally:
+        assert server.stop() == 0
+    assert got.usage.prompt_tokens == len(by_hand)
+    assert got.choices[0].text == want

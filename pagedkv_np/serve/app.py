@@ -98,11 +98,12 @@ _log = logging.getLogger("pagedkv_np.serve")
 class _Server:
     """The request handlers of one app (state shared by its routes)."""
 
-    def __init__(self, engine: EngineLoop, model_id: str, api_keys: Iterable[str]) -> None:
+    def __init__(self, engine: EngineLoop, model_id: str, api_keys: Iterable[str],
+                 fim: tuple[int, int, int] | None = None) -> None:
         self.engine = engine
         self.model_id = model_id
         self.api_keys = tuple(api_keys)
-        self.prompts = PromptBuilder(engine.decoder)
+        self.prompts = PromptBuilder(engine.decoder, fim)
         self.tokenizing = Tokenizing(self.prompts)
         self._logged_fields: set[str] = set()   # guarded by _fields_lock
         self._fields_lock = threading.Lock()
@@ -345,7 +346,8 @@ async def _disconnected(request: Request) -> None:
 
 
 def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (),
-               limits: ServerLimits | None = None, access_log: bool = False) -> Any:
+               limits: ServerLimits | None = None, access_log: bool = False,
+               fim: tuple[int, int, int] | None = None) -> Any:
     """The ASGI application serving ``engine`` (started and stopped by its lifespan).
 
     Parameters
@@ -361,8 +363,10 @@ def create_app(engine: EngineLoop, *, model_id: str, api_keys: Iterable[str] = (
         connection limit are the HTTP server's: :func:`run_server`).
     access_log : bool
         Log one line per request.
+    fim : (int, int, int), optional
+        Fill-in-the-middle token ids (a GGUF file's), else the vocabulary's.
     """
-    server = _Server(engine, model_id, api_keys)
+    server = _Server(engine, model_id, api_keys, fim)
     cache = engine.decoder.cache
     engine.metrics.model_name = model_id
     engine.metrics.cache_config = {"block_size": str(cache.page_size),
@@ -400,7 +404,7 @@ def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", p
                api_keys: Iterable[str] = (), max_queue: int = 64,
                graceful_timeout: int = 30, log_level: str = "info",
                limits: ServerLimits | None = None, access_log: bool = False,
-               summary: str | None = None) -> None:
+               summary: str | None = None, fim: tuple[int, int, int] | None = None) -> None:
     """Serve ``decoder`` until SIGINT or SIGTERM.
 
     On a signal the server stops accepting connections, lets running
@@ -408,7 +412,8 @@ def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", p
     them, which aborts them in the engine), and stops the engine thread.
     ``limits`` (default :class:`ServerLimits`) bound request bodies, read
     deadlines and open connections. ``access_log``: one line per request;
-    ``summary``: a line logged once at start-up.
+    ``summary``: a line logged once at start-up; ``fim``: fill-in-the-middle
+    token ids (:func:`create_app`).
     """
     try:
         import uvicorn
@@ -418,7 +423,7 @@ def run_server(decoder: OrtDecoder, *, model_id: str, host: str = "127.0.0.1", p
     limits = limits if limits is not None else ServerLimits()
     engine = EngineLoop(decoder, max_queue=max_queue)
     app = create_app(engine, model_id=model_id, api_keys=api_keys, limits=limits,
-                     access_log=access_log)
+                     access_log=access_log, fim=fim)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                             lifespan="on", timeout_graceful_shutdown=int(graceful_timeout),
                             http=http_protocol(limits),

@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from ..errors import PagedKVError
     from .app import run_server
+    from .infill import gguf_fim_token_ids
 
     problem = check_args(args)
     if problem is not None:
@@ -369,16 +370,18 @@ def main(argv: list[str] | None = None) -> int:
     except (PagedKVError, OSError) as exc:
         print(f"pagedkv serve: cannot load the model: {exc}".splitlines()[0], file=sys.stderr)
         return 2
-    if template is not None:
-        try:
+    try:
+        if template is not None:
             use_chat_template(decoder, template, describe_template(args.chat_template))
-        except PagedKVError as exc:
-            print(f"pagedkv serve: {exc}".splitlines()[0], file=sys.stderr)
-            return 2
+        gguf = args.model is not None and str(args.model).lower().endswith(".gguf")
+        fim = gguf_fim_token_ids(args.model) if gguf else None
+    except PagedKVError as exc:
+        print(f"pagedkv serve: {exc}".splitlines()[0], file=sys.stderr)
+        return 2
     model_id = args.model_name or model_name(args.model)
     run_server(decoder, model_id=model_id, host=args.host,
                port=args.port, api_keys=args.api_key, max_queue=args.max_queue,
                graceful_timeout=args.graceful_timeout, log_level=args.log_level,
                limits=limits_of(args), access_log=args.access_log,
-               summary=startup_summary(decoder, args, model_id))
+               summary=startup_summary(decoder, args, model_id), fim=fim)
     return 0

@@ -6,7 +6,10 @@ FIM_MIDDLE``, and the model writes the middle. The tokens are found by name
 in the vocabulary, in the spellings models use: ``<fim_prefix>``,
 ``<fim_suffix>``, ``<fim_middle>`` (StarCoder, SmolLM) and
 ``<|fim_prefix|>``, ``<|fim_suffix|>``, ``<|fim_middle|>`` (Qwen2.5-Coder,
-CodeGemma). A model with neither set has no insertion mode: a ``suffix`` is
+CodeGemma); a GGUF file's own ``tokenizer.ggml.fim_pre_token_id``,
+``fim_suf_token_id`` and ``fim_mid_token_id`` (or the older
+``prefix``/``suffix``/``middle_token_id``) come first, as llama.cpp reads
+them (:func:`gguf_fim_token_ids`). A model with neither set has no insertion mode: a ``suffix`` is
 then a 400 naming it, rather than a prompt the model was never trained on.
 """
 
@@ -16,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FIM_NAMES", "fim_token_ids", "infill_ids"]
+__all__ = ["FIM_NAMES", "fim_token_ids", "gguf_fim_token_ids", "infill_ids"]
 
 #: (prefix, suffix, middle) token spellings, in the order they are looked for
 FIM_NAMES = (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
@@ -33,6 +36,32 @@ def fim_token_ids(codec: Any) -> tuple[int, int, int] | None:
         ids = [tokenizer.token_to_id(name) for name in names]
         if all(i is not None for i in ids):
             return ids[0], ids[1], ids[2]
+    return None
+
+
+#: the GGUF metadata keys of the (prefix, suffix, middle) ids, newest first
+GGUF_FIM_KEYS = (("tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.fim_suf_token_id",
+                  "tokenizer.ggml.fim_mid_token_id"),
+                 ("tokenizer.ggml.prefix_token_id", "tokenizer.ggml.suffix_token_id",
+                  "tokenizer.ggml.middle_token_id"))
+
+
+def gguf_fim_token_ids(path: str) -> tuple[int, int, int] | None:
+    """The (prefix, suffix, middle) token ids a GGUF file's metadata names,
+    or None when it names no whole set.
+
+    Raises
+    ------
+    PagedKVError
+        The file's header cannot be read, or a key holds no integer.
+    """
+    from ..models.gguf.reader import GGUFFile
+
+    meta = GGUFFile(path)
+    for keys in GGUF_FIM_KEYS:
+        ids = [meta.get(key) for key in keys]
+        if all(i is not None for i in ids):
+            return int(ids[0]), int(ids[1]), int(ids[2])
     return None
 
 

@@ -174,6 +174,9 @@ class PromptBuilder:
     ----------
     decoder : OrtDecoder
         With a ``text`` codec (as ``OrtDecoder.from_pretrained`` loads it).
+    fim : (int, int, int), optional
+        The fill-in-the-middle token ids (a GGUF file's); default: those
+        the vocabulary names (:func:`~pagedkv_np.serve.infill.fim_token_ids`).
 
     Attributes
     ----------
@@ -184,7 +187,8 @@ class PromptBuilder:
         untokenized (None: no bound is provable for this tokenizer).
     """
 
-    def __init__(self, decoder: ServedDecoder) -> None:
+    def __init__(self, decoder: ServedDecoder,
+                 fim: tuple[int, int, int] | None = None) -> None:
         codec = getattr(decoder, "text", None)
         if codec is None:
             raise ConfigError("Invalid decoder: it has no tokenizer (text); load it with "
@@ -198,7 +202,7 @@ class PromptBuilder:
         self.vocab_size = int(vocab) if vocab is not None else int(codec.vocab_size)
         self.bound = token_bound(getattr(codec, "tokenizer", None))
         # fill-in-the-middle tokens (completions' suffix), None without them
-        self.fim = fim_token_ids(codec)
+        self.fim = fim if fim is not None else fim_token_ids(codec)
 
     def bind_tools(self, req: GenerationRequest) -> GenerationRequest:
         """``req`` with its tools in the served chat template's call format
