@@ -18,10 +18,11 @@ default; ``--gguf FILE`` for another, e.g. Gemma 3 270M Q4_K_M), in the
               source tree of the code before, its own import of the file):
               medians and ranges of tokens/s, process CPU ms per token
               (which a busy machine moves less than wall time); import time (fresh, in a
-              subprocess) and the folder's size.
+              subprocess) and the folder's size. ``--llama-bench PATH``
+              runs llama.cpp's tg64 of the same file in each round.
 
 Run: ``.venv/bin/python scripts/bench_quantized_head.py [numerics|speed]
-[--gguf FILE] [--before DIR] [--rounds 3] [--threads 2]``.
+[--gguf FILE] [--before DIR] [--rounds 3] [--threads 2] [--llama-bench PATH]``.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ def _size_mb(folder: Path) -> float:
     return sum(p.stat().st_size for p in folder.iterdir()) / 1e6
 
 
+def _llama_bench(args: argparse.Namespace) -> float:
+    """llama.cpp's tg64 of the file: tokens/s (``llama-bench -p 0 -n 64``)."""
+    out = subprocess.run([args.llama_bench, "-m", args.gguf, "-t", str(args.threads), "-p", "0",
+                          "-n", "64", "-o", "json"], check=True, capture_output=True,
+                         text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
 def speed(args: argparse.Namespace) -> None:
     ways = {"head4": ROOT, "head0": ROOT}
     if args.before:
@@ -114,6 +123,9 @@ def speed(args: argparse.Namespace) -> None:
                 got = json.loads(out.strip().splitlines()[-1])
                 rates[way].append(got["tok_s"])
                 cpu[way].append(got["cpu_ms"])
+            if args.llama_bench:
+                rates.setdefault("llama-bench", []).append(_llama_bench(args))
+                cpu.setdefault("llama-bench", []).append(float("nan"))
             print(f"round {r + 1}, load {os.getloadavg()[0]:.1f}: " + ", ".join(
                 f"{way} {v[-1]:.1f} tok/s {cpu[way][-1]:.0f} CPU ms" for way, v in rates.items()),
                 flush=True)
@@ -180,6 +192,8 @@ def main() -> None:
     parser.add_argument("--gguf", default=None)
     parser.add_argument("--before", default=None, help="a source tree of the code before")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--llama-bench", default=None,
+                        help="llama.cpp's llama-bench, run in each round (tg64)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()

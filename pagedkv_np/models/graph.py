@@ -6,15 +6,16 @@ embedding, grouped-query attention and a gated MLP, with the variations that
 per-head Q/K RMSNorm, norms after attention and MLP, SwiGLU or GeGLU, a scaled
 embedding, sliding-window layers with RoPE tables of their own, a custom query
 scale, final logit soft-capping) and an LM head that is its own matrix or the
-embedding's transpose. Built with ``onnx.helper``; no torch. (A little over
-450 lines: both I/O families share the node builder and the per-layer
-blocks, which would otherwise be private names imported across modules.)
+embedding's transpose. Built with ``onnx.helper`` through
+:class:`~pagedkv_np.models.builder.GraphBuilder`; no torch.
 
 Every linear layer is either a float array (float32, or float16 stored as
 such and cast once when the session loads) or a
 :class:`~pagedkv_np.models.gguf.blocks.BlockQuantized` weight, kept in
 its ggml blocks and run as ``com.microsoft.MatMulNBits`` with exactly the
-values the blocks encode (a Q4_1 block's offset as a block-sum term).
+values the blocks encode (a Q4_1 block's offset as a block-sum term). The
+embedding may be blocks too (``GatherBlockQuantized``); a tied head then
+reads the same blocks, at ``head_accuracy_level`` when it has one.
 
 The I/O families are those of :mod:`pagedkv_np.onnxruntime.model_io`:
 ``"optimum"`` (MatMul attention, past ++ new K/V into present, optional
