@@ -54,10 +54,10 @@ halves the disk size only (the session holds float32 weights, 17.4 ms per
 token). ``accuracy_level=4`` cost 8.2 ms per token (1.5x faster again), but
 its int8 activations changed the greedy answer after 30 tokens, so it is an
 option, not the default. (Those figures predate ``head_accuracy_level``: an
-8-bit head on int8 activations cost Gemma 3 270M 108 CPU ms a token against
-161 in float32, with greedy tokens leaving the exact ones after 5-11 tokens
-on two of three prompts; SmolLM2's 66 against 69, its 12 tokens of each
-unchanged: the README's GGUF figures.)
+8-bit head on int8 activations cost Gemma 3 270M 121 CPU ms a token against
+181 in float32 (16.0 against 10.2 tokens/s), with greedy tokens leaving the
+exact ones after 5-11 tokens on two of three prompts; SmolLM2 67 against 87
+(28.7 against 22.3), its 12 tokens of each unchanged: the README's figures.)
 
 Results are cached under ``$PAGEDKV_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/pagedkv_np``, else ``~/.cache/pagedkv_np``, in a folder
