@@ -136,8 +136,8 @@ def test_bad_head_accuracy_level_is_refused_and_writes_nothing(tmp_path, value):
 @pytest.mark.parametrize("family", ["gqa", "optimum"])
 @pytest.mark.parametrize("embed_type", [Q.Q8_0, Q.Q4_1], ids=lambda q: q.name)
 def test_greedy_decoding_equals_full_recompute_batched_or_alone(tmp_path, family, embed_type):
-    """The int8 head quantizes each row's activations on its own: a request's
-    tokens are the same decoded in a batch, alone, or recomputed whole."""
+    """With the int8 head a request's tokens are the same decoded in a batch,
+    alone from cached pages, with its prompt fed in chunks, or recomputed whole."""
     spec = _write(tmp_path, embed_type, tied=True, seed=2)
     folder = import_gguf(spec.path, family=family, cache_dir=tmp_path / "cache")
     c = spec.geometry
@@ -154,6 +154,11 @@ def test_greedy_decoding_equals_full_recompute_batched_or_alone(tmp_path, family
     assert dec.generate(prompts, max_new_tokens=12, eos_token_id=[]) == want
     alone = [dec.generate([p], max_new_tokens=12, eos_token_id=[])[0] for p in prompts]
     assert alone == want
+    assert dec.stats["prefix_hit_tokens"] > 0          # alone, from cached pages
+    chunked = OrtDecoder(folder / "model.onnx", num_kv_heads=c.num_kv_heads,
+                         head_dim=c.head_dim, num_pages=64, page_size=4, max_batch_size=3,
+                         prefill_chunk=2, enable_prefix_caching=False)
+    assert chunked.generate(prompts, max_new_tokens=12, eos_token_id=[]) == want
 
 
 _LOAD = ("import sys, onnxruntime as ort\n"
