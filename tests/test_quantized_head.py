@@ -70,7 +70,7 @@ def _write(tmp_path, embed_type, tied, seed=0):
 @pytest.mark.parametrize("embed_type", EMBED_TYPES, ids=lambda q: q.name)
 def test_embedding_and_head_stay_in_blocks_and_match_the_reference(tmp_path, embed_type, tied):
     spec = _write(tmp_path, embed_type, tied)
-    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
+    folder = import_gguf(spec.path, cache_dir=tmp_path / "cache", head_accuracy_level=4)
     model = _model(folder)
     inits = _initializers(model)
     # one copy of the embedding's codes, no float rows; a tied head reads the same codes
@@ -110,12 +110,13 @@ def test_embedding_rows_are_the_blocks_exact_values(tmp_path, embed_type):
     assert np.abs(wrong - want).max() > 0.05 * np.abs(want).max()
 
 
-def test_head_level_0_keeps_an_8_bit_tied_head_in_float32(tmp_path):
+def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_float32(tmp_path):
     spec = _write(tmp_path, Q.Q8_0, tied=True)
     cache = tmp_path / "cache"
-    exact = import_gguf(spec.path, cache_dir=cache, head_accuracy_level=0)
-    fast = import_gguf(spec.path, cache_dir=cache)
-    assert exact != fast and "head0" in exact.name and "head" not in fast.name
+    exact = import_gguf(spec.path, cache_dir=cache)
+    assert import_gguf(spec.path, cache_dir=cache, head_accuracy_level=0) == exact
+    fast = import_gguf(spec.path, cache_dir=cache, head_accuracy_level=4)
+    assert exact != fast and "head4" in fast.name and "head" not in exact.name
     inits = _initializers(_model(exact))
     assert inits["embed"].dtype == np.float32 and "embed.qweight" not in inits
     tokens = np.random.default_rng(2).integers(0, spec.geometry.vocab_size, 20).tolist()

@@ -39,9 +39,12 @@ In ``"q4"`` mode the embedding keeps its blocks too (any block type,
 gathered exactly by GatherBlockQuantized), and a tied LM head reads those
 same blocks with MatMulNBits: one copy (:mod:`pagedkv_np.models.builder`).
 An LM head of a 5-8-bit type (both real files' tied Q8_0 embeddings) runs at
-``head_accuracy_level``: 4 (the default) as 8-bit blocks with int8
-activations, 0 in float32 (exact; a tied head then reads the float
-embedding transposed). Figures: the README's GGUF section.
+``head_accuracy_level``: 0 (the default) in float32 (exact; a tied head
+then reads the float embedding transposed), 4 as 8-bit blocks with int8
+activations: faster, but SmolLM2 then answers "What is the capital of
+France?" with "L'Étoile, la Marseillaise, ..." instead of "The capital of
+France is Paris." (llama.cpp, whose Q8_0 head also takes 8-bit
+activations, answers Paris). Figures: the README's GGUF section.
 
 Why ``"q4"`` (with ``accuracy_level=0``) is the default: on
 SmolLM2-135M-Instruct's Q4_1 file (``scripts/bench_gguf_modes.py``, batch 1,
@@ -366,8 +369,9 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         ``"pagedkv_np"``.
     head_accuracy_level : {0, 4}
         In ``"q4"`` mode, the level of an LM head of a 5-8-bit type (Q8_0,
-        Q6_K, ...: both real files' tied embeddings; default 4): at 4 it runs
-        as 8-bit blocks with int8 activations, at 0 in float32, exact. A
+        Q6_K, ...: both real files' tied embeddings; default 0): at 0 in
+        float32, exact; at 4 as 8-bit blocks with int8 activations (faster,
+        inexact: see the module docstring). A
         4-bit head runs at ``accuracy_level``.
 
     Returns
@@ -416,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="q4 mode: 4 computes with int8 activations (faster, inexact)")
     parser.add_argument("--head-accuracy-level", type=int, choices=(0, 4),
                         default=DEFAULT_HEAD_ACCURACY_LEVEL,
-                        help="q4 mode: the LM head's (0: an 8-bit head in float32, exact)")
+                        help="q4 mode: the LM head's (default %(default)s: an 8-bit head in "
+                             "float32, exact; 4: int8 activations, faster, inexact)")
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="positions to serve (default %(default)s, or the file's "
                              "context_length when smaller)")
