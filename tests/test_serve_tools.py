@@ -487,3 +487,30 @@ def test_template_without_tools_is_400(plain_server):
                                              tool_choice="none", max_tokens=6, temperature=0)
     assert dropped.choices[0].message.content == plain.choices[0].message.content
     assert dropped.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_gguf_whose_own_template_reads_tools_is_forced_to_call(tmp_path, monkeypatch):
+    """A tiny GGUF made here whose tokenizer.chat_template is the tools-aware
+    one: served as a file, a named choice gives the named call, valid."""
+    pytest.importorskip("llguidance", reason="the constrain extra is not installed")
+    gguf = pytest.importorskip("gguf")
+    from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metadata
+    from test_gguf_import import write_gguf
+
+    plain, path = tmp_path / "plain.gguf", tmp_path / "tools.gguf"
+    write_gguf(plain, context_length=2048)       # a tiny vocabulary: long prompts
+    copy_with_new_metadata(
+        gguf.GGUFReader(str(plain)), gguf.GGUFWriter(str(path), "llama"),
+        {"tokenizer.chat_template": MetadataDetails(gguf.GGUFValueType.STRING, HERMES)}, [])
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    server = Server(str(path), "--num-pages", "128", "--page-size", str(PAGE_SIZE))
+    try:
+        got = server.client().chat.completions.create(
+            model="tools", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    finally:
+        assert server.stop() == 0
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    check_call(call.function.name, call.function.arguments, ("get_weather",))
