@@ -117,6 +117,14 @@ def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_float32(tmp_path):
     assert import_gguf(spec.path, cache_dir=cache, head_accuracy_level=0) == exact
     fast = import_gguf(spec.path, cache_dir=cache, head_accuracy_level=4)
     assert exact != fast and "head4" in fast.name and "head" not in exact.name
+    # by default the head follows accuracy_level: level 4 throughout, one name
+    level4 = import_gguf(spec.path, cache_dir=cache, accuracy_level=4)
+    assert "-acc4-" in level4.name and "head" not in level4.name
+    assert import_gguf(spec.path, cache_dir=cache, accuracy_level=4,
+                       head_accuracy_level=4) == level4
+    heads = [n for n in _model(level4).graph.node
+             if n.op_type == "MatMulNBits" and n.input[1] == "embed.qweight"]
+    assert [{a.name: a.i for a in h.attribute}["accuracy_level"] for h in heads] == [4]
     inits = _initializers(_model(exact))
     assert inits["embed"].dtype == np.float32 and "embed.qweight" not in inits
     tokens = np.random.default_rng(2).integers(0, spec.geometry.vocab_size, 20).tolist()
@@ -125,7 +133,7 @@ def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_float32(tmp_path):
     assert np.abs(got - want).max() < 1e-5 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("value", [1, 2, -1, "4", None, True])
+@pytest.mark.parametrize("value", [1, 2, 3, -1, "4", True])
 def test_bad_head_accuracy_level_is_refused_and_writes_nothing(tmp_path, value):
     spec = _write(tmp_path, Q.Q8_0, tied=True)
     cache = tmp_path / "cache"

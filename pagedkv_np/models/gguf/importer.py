@@ -39,9 +39,9 @@ In ``"q4"`` mode the embedding keeps its blocks too (any block type,
 gathered exactly by GatherBlockQuantized), and a tied LM head reads those
 same blocks with MatMulNBits: one copy (:mod:`pagedkv_np.models.builder`).
 An LM head of a 5-8-bit type (both real files' tied Q8_0 embeddings) runs at
-``head_accuracy_level``: 0 (the default) in float32 (exact; a tied head
-then reads the float embedding transposed), 4 as 8-bit blocks with int8
-activations: faster, but SmolLM2 then answers "What is the capital of
+``head_accuracy_level`` (by default the import's ``accuracy_level``): 0 in
+float32 (exact; a tied head then reads the float embedding transposed), 4
+as 8-bit blocks with int8 activations: faster, but SmolLM2 then answers "What is the capital of
 France?" with "L'Étoile, la Marseillaise, ..." instead of "The capital of
 France is Paris." (llama.cpp, whose Q8_0 head also takes 8-bit
 activations, answers Paris). Figures: the README's GGUF section.
@@ -274,14 +274,14 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
     graph_geometry, tensors = read_weights(
         f, arch, c, opts.weights, kept_blocks(opts.weights, opts.accuracy_level),
-        kept_blocks(opts.weights, opts.head_accuracy_level))
+        kept_blocks(opts.weights, opts.head_level))
     del f, header
     head = tensors.get("lm_head", tensors["embed"])      # 8-bit heads run at their own level
     eight_bit = isinstance(head, BlockQuantized) and head.spec.bits == 8
     # weights stream into model.onnx.data as the graph takes them: held once, not thrice
     model = build_decoder(graph_geometry, tensors, family=opts.family,
                           accuracy_level=opts.accuracy_level,
-                          head_accuracy_level=(opts.head_accuracy_level if eight_bit
+                          head_accuracy_level=(opts.head_level if eight_bit
                                                else opts.accuracy_level),
                           name=f"{arch}_{opts.weights}",
                           external_data=folder / "model.onnx.data")
@@ -324,7 +324,7 @@ def _write_atomically(path: str, header: _Header, target: Path, opts: ImportOpti
 def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights: str = "q4",
                  family: str = "gqa", accuracy_level: int = 0,
                  max_context: int = DEFAULT_MAX_CONTEXT,
-                 head_accuracy_level: int = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
+                 head_accuracy_level: int | None = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
     """Write the model folder for ``path`` at ``out_dir`` (which must not exist
     or be empty), without the cache. Same options and errors as :func:`import_gguf`."""
     opts = ImportOptions(weights, family, accuracy_level, max_context, head_accuracy_level)
@@ -343,7 +343,7 @@ def convert_gguf(path: str | os.PathLike, out_dir: str | os.PathLike, *, weights
 def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "gqa",
                 cache_dir: str | os.PathLike | None = None, accuracy_level: int = 0,
                 max_context: int = DEFAULT_MAX_CONTEXT,
-                head_accuracy_level: int = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
+                head_accuracy_level: int | None = DEFAULT_HEAD_ACCURACY_LEVEL) -> Path:
     """The model folder of a GGUF file, built once and cached.
 
     Parameters
@@ -367,12 +367,12 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
         ``config.json``'s ``max_position_embeddings``): this, or the file's
         ``context_length`` when smaller. ``config.json`` keeps both under
         ``"pagedkv_np"``.
-    head_accuracy_level : {0, 4}
+    head_accuracy_level : {0, 4}, optional
         In ``"q4"`` mode, the level of an LM head of a 5-8-bit type (Q8_0,
-        Q6_K, ...: both real files' tied embeddings; default 0): at 0 in
-        float32, exact; at 4 as 8-bit blocks with int8 activations (faster,
-        inexact: see the module docstring). A
-        4-bit head runs at ``accuracy_level``.
+        Q6_K, ...: both real files' tied embeddings; None, the default:
+        ``accuracy_level``): at 0 in float32, exact; at 4 as 8-bit blocks with
+        int8 activations (faster, inexact: see the module docstring). A 4-bit
+        head runs at ``accuracy_level``.
 
     Returns
     -------
@@ -420,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="q4 mode: 4 computes with int8 activations (faster, inexact)")
     parser.add_argument("--head-accuracy-level", type=int, choices=(0, 4),
                         default=DEFAULT_HEAD_ACCURACY_LEVEL,
-                        help="q4 mode: the LM head's (default %(default)s: an 8-bit head in "
-                             "float32, exact; 4: int8 activations, faster, inexact)")
+                        help="q4 mode: the LM head's (default: --accuracy-level's; 0: an "
+                             "8-bit head in float32, exact; 4: int8 activations, faster, "
+                             "inexact)")
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="positions to serve (default %(default)s, or the file's "
                              "context_length when smaller)")

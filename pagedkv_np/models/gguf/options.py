@@ -24,8 +24,9 @@ FAMILIES = ("gqa", "optimum")
 FORMAT_VERSION = 6
 #: positions served (and RoPE table rows) unless ``max_context`` says otherwise
 DEFAULT_MAX_CONTEXT = 8192
-#: the LM head's MatMulNBits accuracy level unless told (see import_gguf)
-DEFAULT_HEAD_ACCURACY_LEVEL = 0
+#: the LM head's MatMulNBits accuracy level unless told (see import_gguf):
+#: None, the import's ``accuracy_level``
+DEFAULT_HEAD_ACCURACY_LEVEL: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +38,11 @@ class ImportOptions:
     family: str
     accuracy_level: int
     max_context: int = DEFAULT_MAX_CONTEXT
-    head_accuracy_level: int = DEFAULT_HEAD_ACCURACY_LEVEL
+    head_accuracy_level: int | None = DEFAULT_HEAD_ACCURACY_LEVEL
 
     def __post_init__(self) -> None:
+        if self.head_accuracy_level is None:       # the head follows the other matrices
+            object.__setattr__(self, "head_accuracy_level", self.accuracy_level)
         if isinstance(self.max_context, bool) or not isinstance(self.max_context, int) \
                 or self.max_context < 1:
             raise ConfigError(f"Invalid max_context: expected a positive int, "
@@ -56,11 +59,18 @@ class ImportOptions:
                                   f"got {getattr(self, what)!r}")
 
     @property
+    def head_level(self) -> int:
+        """The LM head's accuracy level, resolved (``head_accuracy_level``, or
+        ``accuracy_level`` where that is None)."""
+        level = self.head_accuracy_level
+        return self.accuracy_level if level is None else level
+
+    @property
     def tag(self) -> str:
         """How the options appear in a cache folder's name."""
         acc = f"-acc{self.accuracy_level}" if self.accuracy_level else ""
-        if self.head_accuracy_level != DEFAULT_HEAD_ACCURACY_LEVEL:
-            acc += f"-head{self.head_accuracy_level}"
+        if self.head_level != self.accuracy_level:
+            acc += f"-head{self.head_level}"
         return f"{self.weights}{acc}-{self.family}-ctx{self.max_context}"
 
     def provenance(self, path: str) -> dict:
