@@ -21,6 +21,10 @@ sequence can be served them.
 Every public method holds one re-entrant lock, so a cache can be shared by
 threads; each call is atomic. A plan stays valid until one of its own
 sequences is extended or released, whatever other threads do meanwhile.
+
+Why ~470 lines in one module: one concept, the lock-holding facade over the
+pool, index, planner, store and tiers; splitting it would put one lock's
+invariants in two files.
 """
 
 from __future__ import annotations
