@@ -42,6 +42,17 @@ _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _SEPARATORS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
+def _required_string(obj: dict, key: str, param: str) -> str:
+    """``obj[key]``, a string that must be there (a 400 naming ``param`` if not)."""
+    value = obj.get(key)
+    if value is None:
+        raise APIError(f"Missing required parameter: '{param}'",
+                       code="missing_required_parameter", param=param)
+    if not isinstance(value, str):
+        raise _wrong_type(param, "a string", value)
+    return value
+
+
 def _wrong_type(name: str, expected: str, value: Any) -> APIError:
     return APIError(f"Invalid type for '{name}': expected {expected}, got {json_type(value)}",
                     code="invalid_type", param=name)
@@ -88,12 +99,7 @@ def _tool(i: int, tool: Any) -> dict:
     fn = tool.get("function")
     if not isinstance(fn, dict):
         raise _wrong_type(f"{where}.function", "an object", fn)
-    name = fn.get("name")
-    if name is None:
-        raise APIError(f"Missing required parameter: '{where}.function.name'",
-                       code="missing_required_parameter", param=f"{where}.function.name")
-    if not isinstance(name, str):
-        raise _wrong_type(f"{where}.function.name", "a string", name)
+    name = _required_string(fn, "name", f"{where}.function.name")
     if not _NAME.fullmatch(name):
         raise _invalid(f"{where}.function.name", f"1 to 64 letters, digits, '_' or '-', "
                                                  f"got {name[:70]!r}")
@@ -230,13 +236,7 @@ def message_fields(where: str, role: str, msg: dict) -> dict:
             out["tool_calls"] = [_history_call(f"{where}.tool_calls[{j}]", c)
                                  for j, c in enumerate(calls)]
     if role == "tool":
-        call_id = msg.get("tool_call_id")
-        if call_id is None:
-            raise APIError(f"Missing required parameter: '{where}.tool_call_id'",
-                           code="missing_required_parameter", param=f"{where}.tool_call_id")
-        if not isinstance(call_id, str):
-            raise _wrong_type(f"{where}.tool_call_id", "a string", call_id)
-        out["tool_call_id"] = call_id
+        out["tool_call_id"] = _required_string(msg, "tool_call_id", f"{where}.tool_call_id")
     if msg.get("name") is not None:
         if not isinstance(msg["name"], str):
             raise _wrong_type(f"{where}.name", "a string", msg["name"])
