@@ -50,6 +50,44 @@ def _reference(x: np.ndarray, parts: NBits) -> tuple[np.ndarray, np.ndarray]:
     return x64 @ w, np.abs(x64) @ w_abs
 
 
+def _float32_order(x: np.ndarray, parts: NBits) -> np.ndarray:
+    """The module's documented float32 arithmetic, step by step in NumPy."""
+    n, nb, nbytes = parts.B.shape
+    bs, bits = parts.block_size, parts.bits
+    f32 = np.float32
+    if parts.zero_points is None:
+        zero = np.full((n, nb), 1 << (bits - 1), np.int32)
+    else:
+        zp = parts.zero_points.reshape(n, -1)
+        if bits == 4:
+            zp = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)
+        zero = zp[:, :nb].astype(np.int32)
+    scales = parts.scales.reshape(n, nb)
+    q = parts.B.astype(np.int32)
+    lanes = np.zeros((x.shape[0], n, nbytes * 8 // bits if bits == 8 else nbytes), f32)
+    for b in range(nb):
+        s, z = scales[None, :, b, None], zero[None, :, b, None]
+        if bits == 8:
+            prod = (q[:, b] - z[0]).astype(f32) * x[:, None, b * bs:(b + 1) * bs]
+        else:
+            xs = x[:, None, b * bs:(b + 1) * bs]
+            prod = ((q[:, b] & 15) - z[0]).astype(f32) * xs[..., 0::2] \
+                + ((q[:, b] >> 4) - z[0]).astype(f32) * xs[..., 1::2]
+        lanes = lanes + s * prod
+    width = lanes.shape[-1] // 2
+    while width:
+        lanes[..., :width] = lanes[..., :width] + lanes[..., width:2 * width]
+        width //= 2
+    total = lanes[..., 0]
+    if parts.offsets is not None:
+        for b in range(nb):
+            block_sum = f32(0.0) * x[:, 0]
+            for i in range(bs):
+                block_sum = block_sum + x[:, b * bs + i]
+            total = total + block_sum[:, None] * parts.offsets[None, b, :]
+    return total
+
+
 def _random_parts(rng, bits, block_size, zero_points, offsets, k=96, n=37) -> NBits:
     nb = k // block_size
     b = rng.integers(0, 256, (n, nb, block_size * bits // 8), dtype=np.uint8)
@@ -84,6 +122,15 @@ def test_matches_float64_reference(bits, block_size, zero_points, offsets):
     eye = np.eye(96, dtype=np.float32)
     want, _ = _reference(eye, parts)
     np.testing.assert_allclose(block_matmul(eye, weight), want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_follows_the_documented_float32_order_bitwise(bits, block_size):
+    rng = np.random.default_rng(bits + block_size)
+    parts = _random_parts(rng, bits, block_size, True, True, k=128, n=29)
+    x = rng.standard_normal((4, 128)).astype(np.float32)
+    np.testing.assert_array_equal(block_matmul(x, parts), _float32_order(x, parts))
 
 
 @pytest.mark.parametrize("kind", sorted(BLOCK_KINDS))
