@@ -220,8 +220,10 @@ def _row_pointer(context, builder, arrty, arr, row, elty):
     return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elty.as_pointer())
 
 
-def _build_block_dot(builder, bits, block_size, codes, zeros, scales, even, odd, num_blocks):
-    """IR of one output's lanes (see the module docstring), summed as a tree."""
+def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_blocks):
+    """IR of one output's lanes (see the module docstring), summed as a tree, for
+    each of ``rows`` (pairs of even and odd input pointers): the codes are
+    converted once for all rows, each row's arithmetic is its own."""
     intp = num_blocks.type
     num_vec = block_size // _LANES if bits == 8 else block_size // (2 * _LANES)
     block_bytes = block_size * bits // 8
@@ -234,7 +236,7 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, even, odd,
     b = builder.phi(intp)
     b.add_incoming(ir.Constant(intp, 0), start)
     lanes = []
-    for _ in range(num_vec):
+    for _ in range(len(rows) * num_vec):
         acc = builder.phi(_V8F)
         acc.add_incoming(ir.Constant(_V8F, [0.0] * _LANES), start)
         lanes.append(acc)
@@ -242,91 +244,128 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, even, odd,
     zero = _splat(builder, builder.zext(builder.load(builder.gep(zeros, [b])), _I32), _V8I)
     at_code = builder.mul(b, ir.Constant(intp, block_bytes))
     at_x = builder.mul(b, ir.Constant(intp, block_xs))
-    new = []
-    for v, acc in enumerate(lanes):
+
+    def load_x(base, off):
+        ptr = builder.bitcast(builder.gep(base, [builder.add(at_x, off)]), _V8F.as_pointer())
+        return builder.load(ptr, align=4)
+
+    new = list(lanes)
+    for v in range(num_vec):
         off = ir.Constant(intp, v * _LANES)
         ptr = builder.gep(codes, [builder.add(at_code, off)])
         q = builder.zext(builder.load(builder.bitcast(ptr, _V8B.as_pointer()), align=1), _V8I)
-        xe = builder.load(builder.bitcast(builder.gep(even, [builder.add(at_x, off)]),
-                                          _V8F.as_pointer()), align=4)
         if bits == 8:
-            prod = builder.fmul(builder.sitofp(builder.sub(q, zero), _V8F), xe)
+            code = builder.sitofp(builder.sub(q, zero), _V8F)
         else:
-            xo = builder.load(builder.bitcast(builder.gep(odd, [builder.add(at_x, off)]),
-                                              _V8F.as_pointer()), align=4)
             low = builder.and_(q, ir.Constant(_V8I, [15] * _LANES))
             high = builder.lshr(q, ir.Constant(_V8I, [4] * _LANES))
-            prod = builder.fadd(builder.fmul(builder.sitofp(builder.sub(low, zero), _V8F), xe),
-                                builder.fmul(builder.sitofp(builder.sub(high, zero), _V8F), xo))
-        new.append(builder.fadd(acc, builder.fmul(scale, prod)))
+            code = builder.sitofp(builder.sub(low, zero), _V8F)
+            code_high = builder.sitofp(builder.sub(high, zero), _V8F)
+        for r, (even, odd) in enumerate(rows):
+            prod = builder.fmul(code, load_x(even, off))
+            if bits == 4:
+                prod = builder.fadd(prod, builder.fmul(code_high, load_x(odd, off)))
+            i = r * num_vec + v
+            new[i] = builder.fadd(lanes[i], builder.fmul(scale, prod))
     nxt = builder.add(b, ir.Constant(intp, 1))
     for acc, value in zip(lanes, new):
         acc.add_incoming(value, loop)
     b.add_incoming(nxt, loop)
     builder.cbranch(builder.icmp_signed("<", nxt, num_blocks), loop, done)
     builder.position_at_end(done)
-    while len(new) > 1:                  # lanes[i] += lanes[i + width], width halving
-        half = len(new) // 2
-        new = [builder.fadd(new[i], new[i + half]) for i in range(half)]
-    vec = new[0]
     undef = ir.Constant(_V8F, ir.Undefined)
-    width = _LANES // 2
-    while width:
-        mask = [(i + width) % _LANES for i in range(_LANES)]
-        vec = builder.fadd(vec, builder.shuffle_vector(vec, undef, ir.Constant(_V8I, mask)))
-        width //= 2
-    return builder.extract_element(vec, ir.Constant(_I32, 0))
+    totals = []
+    for r in range(len(rows)):
+        vecs = new[r * num_vec:(r + 1) * num_vec]
+        while len(vecs) > 1:             # lanes[i] += lanes[i + width], width halving
+            half = len(vecs) // 2
+            vecs = [builder.fadd(vecs[i], vecs[i + half]) for i in range(half)]
+        vec = vecs[0]
+        width = _LANES // 2
+        while width:
+            mask = [(i + width) % _LANES for i in range(_LANES)]
+            vec = builder.fadd(vec, builder.shuffle_vector(vec, undef, ir.Constant(_V8I, mask)))
+            width //= 2
+        totals.append(builder.extract_element(vec, ir.Constant(_I32, 0)))
+    return totals
 
 
-def _block_dot_intrinsic(bits, block_size):
-    """``block_dot(codes, zeros, scales, even, odd, n, m)``: output ``n`` of row
-    ``m`` without the block-sum term (``even``/``odd``: the row's even and odd
-    inputs for 4 bits, both ``x`` for 8)."""
+def _block_dot_intrinsic(bits, block_size, num_rows):
+    """``block_dot(codes, zeros, scales, even, odd, n, m)``: output ``n`` of rows
+    ``m .. m + num_rows - 1`` without the block-sum term, a tuple (``even`` /
+    ``odd``: the rows' even and odd inputs for 4 bits, both ``x`` for 8)."""
 
     def typer(typingctx, codes, zeros, scales, even, odd, n, m):
-        sig = types.float32(codes, zeros, scales, even, odd, types.intp, types.intp)
+        sig = types.UniTuple(types.float32, num_rows)(
+            codes, zeros, scales, even, odd, types.intp, types.intp)
 
         def codegen(context, builder, sig, args):
             codes_v, zeros_v, scales_v, even_v, odd_v, n_v, m_v = args
             ty = sig.args
             num_blocks = builder.extract_value(
                 context.make_array(ty[2])(context, builder, scales_v).shape, 1)
-            return _build_block_dot(
+            rows = []
+            for r in range(num_rows):
+                row = builder.add(m_v, ir.Constant(m_v.type, r))
+                rows.append((_row_pointer(context, builder, ty[3], even_v, row, _F32),
+                             _row_pointer(context, builder, ty[4], odd_v, row, _F32)))
+            totals = _build_block_dot(
                 builder, bits, block_size,
                 _row_pointer(context, builder, ty[0], codes_v, n_v, ir.IntType(8)),
                 _row_pointer(context, builder, ty[1], zeros_v, n_v, ir.IntType(8)),
-                _row_pointer(context, builder, ty[2], scales_v, n_v, _F32),
-                _row_pointer(context, builder, ty[3], even_v, m_v, _F32),
-                _row_pointer(context, builder, ty[4], odd_v, m_v, _F32), num_blocks)
+                _row_pointer(context, builder, ty[2], scales_v, n_v, _F32), rows, num_blocks)
+            return context.make_tuple(builder, sig.return_type, totals)
 
         return sig, codegen
 
-    typer.__name__ = f"block_dot{bits}_{block_size}"
+    typer.__name__ = f"block_dot{bits}_{block_size}_{num_rows}"
     return intrinsic(typer)
 
 
-_dot8_16 = _block_dot_intrinsic(8, 16)
-_dot8_32 = _block_dot_intrinsic(8, 32)
-_dot4_16 = _block_dot_intrinsic(4, 16)
-_dot4_32 = _block_dot_intrinsic(4, 32)
+_dot8_16 = _block_dot_intrinsic(8, 16, 1)
+_dot8_32 = _block_dot_intrinsic(8, 32, 1)
+_dot4_16 = _block_dot_intrinsic(4, 16, 1)
+_dot4_32 = _block_dot_intrinsic(4, 32, 1)
+_pair8_16 = _block_dot_intrinsic(8, 16, 2)
+_pair8_32 = _block_dot_intrinsic(8, 32, 2)
+_pair4_16 = _block_dot_intrinsic(4, 16, 2)
+_pair4_32 = _block_dot_intrinsic(4, 32, 2)
+
+
+@jit_kernel
+def _finish(total, sums, offsets, m, n, out):
+    for b in range(offsets.shape[1]):
+        total += sums[m, b] * offsets[n, b]
+    out[m, n] = total
 
 
 @jit_kernel(parallel=True)
 def _gemm(even, odd, codes, zeros, scales, sums, offsets, bits, block_size, chunks, out):
-    """Every output ``(m, n)``: its block dot, then the block-sum term in block order."""
+    """Every output ``(m, n)``: its block dot (rows two at a time, then the odd
+    one out), then the block-sum term in block order."""
     num_rows = even.shape[0]
     n_total = codes.shape[0]
     for c in prange(chunks):
         for n in range(c * n_total // chunks, (c + 1) * n_total // chunks):
-            for m in range(num_rows):
+            for m in range(0, num_rows - 1, 2):
                 if bits == 8 and block_size == 32:
-                    total = _dot8_32(codes, zeros, scales, even, odd, n, m)
+                    t0, t1 = _pair8_32(codes, zeros, scales, even, odd, n, m)
                 elif bits == 8:
-                    total = _dot8_16(codes, zeros, scales, even, odd, n, m)
+                    t0, t1 = _pair8_16(codes, zeros, scales, even, odd, n, m)
                 elif block_size == 32:
-                    total = _dot4_32(codes, zeros, scales, even, odd, n, m)
+                    t0, t1 = _pair4_32(codes, zeros, scales, even, odd, n, m)
                 else:
-                    total = _dot4_16(codes, zeros, scales, even, odd, n, m)
-                for b in range(offsets.shape[1]):
-                    total += sums[m, b] * offsets[n, b]
-                out[m, n] = total
+                    t0, t1 = _pair4_16(codes, zeros, scales, even, odd, n, m)
+                _finish(t0, sums, offsets, m, n, out)
+                _finish(t1, sums, offsets, m + 1, n, out)
+            if num_rows % 2:
+                m = num_rows - 1
+                if bits == 8 and block_size == 32:
+                    t = _dot8_32(codes, zeros, scales, even, odd, n, m)
+                elif bits == 8:
+                    t = _dot8_16(codes, zeros, scales, even, odd, n, m)
+                elif block_size == 32:
+                    t = _dot4_32(codes, zeros, scales, even, odd, n, m)
+                else:
+                    t = _dot4_16(codes, zeros, scales, even, odd, n, m)
+                _finish(t[0], sums, offsets, m, n, out)
