@@ -207,3 +207,11 @@ def test_bad_input_raises_typed_errors_and_writes_nothing():
         BlockWeight.from_nbits(NBits(4, 32, parts.B, parts.scales, None, parts.offsets.T))
     with pytest.raises(DTypeError):
         block_matmul(x, "not parts")
+    with pytest.raises(ShapeError):      # rows the kernel would read past
+        BlockWeight(4, 32, 96, 37, weight.codes[:, :-1], weight.zeros, weight.scales, None)
+    with pytest.raises(ShapeError):
+        BlockWeight(4, 32, 96, 37, weight.codes, weight.zeros,
+                    np.asfortranarray(weight.scales), None)
+    with pytest.raises(DTypeError):
+        BlockWeight(8, 32, 96, 37, weight.codes.view(np.int8), weight.zeros, weight.scales,
+                    None)

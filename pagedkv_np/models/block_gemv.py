@@ -75,6 +75,25 @@ class BlockWeight:
     scales: np.ndarray
     offsets: np.ndarray | None
 
+    def __post_init__(self) -> None:
+        # the kernels read these by raw row pointers: check what they rely on
+        n, k, nb = self.out_features, self.in_features, self.in_features // self.block_size
+        want = [("codes", self.codes, np.uint8, (n, k * self.bits // 8)),
+                ("zeros", self.zeros, np.uint8, (n, nb)),
+                ("scales", self.scales, np.float32, (n, nb))]
+        if self.offsets is not None:
+            want.append(("offsets", self.offsets, np.float32, (n, nb)))
+        if self.bits not in (4, 8) or self.block_size not in (16, 32) or k % self.block_size:
+            raise ConfigError(f"Invalid BlockWeight: bits {self.bits}, block_size "
+                              f"{self.block_size}, in_features {k}")
+        for name, a, dtype, shape in want:
+            if not isinstance(a, np.ndarray) or a.dtype != dtype:
+                raise DTypeError(f"Invalid BlockWeight.{name}: expected {np.dtype(dtype)}, "
+                                 f"got {getattr(a, 'dtype', type(a).__name__)}")
+            if a.shape != shape or not a.flags.c_contiguous:
+                raise ShapeError(f"Invalid BlockWeight.{name}: expected a C-contiguous "
+                                 f"{shape} array, got {a.shape}")
+
     @classmethod
     def from_nbits(cls, parts: NBits) -> BlockWeight:
         """Lay out MatMulNBits parts (``codes`` may share ``parts.B``'s memory)."""
@@ -197,7 +216,9 @@ def _block_sums(x, block_size, sums):
 # The block loop is written in LLVM IR with its lanes as vector registers:
 # Numba leaves LLVM's SLP vectorizer off, so a loop over a constant 16 or 32
 # lanes is unrolled and stays scalar, and a vectorized lane loop of run-time
-# length keeps the lanes in memory (3 GMAC/s per core against 1.2 for scalar).
+# length keeps the lanes in memory. Measured on one thread of this loaded
+# 2-core machine, Q8 576 x 8192 at M = 1: scalar 1.3-1.6 GMAC/s, lanes in
+# memory 2.6-3.7, this loop 5.5-6 (in cache; 576 x 49152 from memory 4.3-6).
 _F32 = ir.FloatType()
 _I32 = ir.IntType(32)
 _LANES = 8                               # float32 lanes of one AVX2 register
