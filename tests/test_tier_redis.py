@@ -30,7 +30,7 @@ from pagedkv_np.onnxruntime import OrtDecoder
 from pagedkv_np.models.testmodel import DecoderConfig, build_model, save_model
 from pagedkv_np.tiers import decode_page
 
-from redis_server import find_server_binary
+from redis_server import find_server_binary, free_port, start_server
 from test_tier_disk import NEW, OTHERS, PAGE, PROMPTS, ROOT, reference
 
 CONFIG = DecoderConfig()
@@ -46,18 +46,12 @@ def server_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Server:
     """A real server process on 127.0.0.1, no persistence."""
 
     def __init__(self, workdir, password=None):
         self.binary = server_binary()
-        self.port = free_port()
+        self.port = None                # chosen by the first start; a restart keeps it
         self.workdir = str(workdir)
         self.password = password
         self.proc = None
@@ -68,22 +62,8 @@ class Server:
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self):
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "no"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = self.client()
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client.ping()
-                return self
-            except redis.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.binary} did not start on port {self.port}") from None
-                time.sleep(0.05)
+        self.proc, self.port = start_server(self.binary, self.workdir, self.port, self.password)
+        return self
 
     def client(self):
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password)
