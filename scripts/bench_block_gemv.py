@@ -19,7 +19,7 @@ median and best ms per call, GMAC/s from the median; every way gets
 own). ``err`` is max |y - float64 product| / max |float64 product| at M = 4.
 
 Run: ``.venv/bin/python scripts/bench_block_gemv.py [--gemma] [--threads 2]
-[--rounds 7] [--m 1 4 64]``. Figures: the report of the change that added it.
+[--rounds 7] [--m 1 4 64]``. Figures: :mod:`pagedkv_np.models.block_gemv`'s docstring.
 """
 
 from __future__ import annotations
