@@ -9,7 +9,7 @@ float32 activations:
 ``ort f32``     onnxruntime Gemm/MatMul of the dequantized float32 weight
                 (what an exact head runs as today)
 ``numpy f32``   ``x @ w`` of the same float32 weight
-``block``       :func:`pagedkv_np.models.block_gemv.block_matmul` on the blocks
+``block``       :func:`pagedkv_np.backends.block_gemv.block_matmul` on the blocks
 ``ort nbits4``  onnxruntime 8-bit MatMulNBits at ``accuracy_level=4`` (int8
                 activations: fast, but the answers change)
 
@@ -19,7 +19,7 @@ median and best ms per call, GMAC/s from the median; every way gets
 own). ``err`` is max |y - float64 product| / max |float64 product| at M = 4.
 
 Run: ``.venv/bin/python scripts/bench_block_gemv.py [--gemma] [--threads 2]
-[--rounds 7] [--m 1 4 64]``. Figures: :mod:`pagedkv_np.models.block_gemv`'s docstring.
+[--rounds 7] [--m 1 4 64]``. Figures: :mod:`pagedkv_np.backends.block_gemv`'s docstring.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def bench(path: str, threads: int, rounds: int, ms: list[int]) -> None:
     import numba
 
     from pagedkv_np.bench.timing import round_times
-    from pagedkv_np.models.block_gemv import BlockWeight, block_matmul
+    from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
     from pagedkv_np.models.graph import build_linear
 
     numba.set_num_threads(threads)

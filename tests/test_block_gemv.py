@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from pagedkv_np.errors import ConfigError, DTypeError, ShapeError
-from pagedkv_np.models.block_gemv import BlockWeight, block_matmul
+from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
 from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized, NBits
 
 from test_gguf_import import random_blocks

@@ -24,6 +24,10 @@ the thread count or on the call (``tests/test_block_gemv.py`` checks rows
 bitwise alone and in batches). The difference from a float64 product stays
 within a few float32 roundings of ``sum |w| |x|`` per output.
 
+It lives with the backends, not beside the GGUF import, because it is a
+Numba kernel under this package's cache policy (:mod:`.jit`) and the models
+import nothing of the backends; it reads the parts by their attributes.
+
 Codes are prepared once per weight (:class:`BlockWeight`): 8-bit codes as
 int8 ``code - zero`` (int16 when some do not fit), 4-bit codes left packed
 two per byte as MatMulNBits packs them, the zero points unpacked.
@@ -45,6 +49,7 @@ kernel (about 6 s here, then 0.7 s from Numba's disk cache).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numba
 import numpy as np
@@ -52,9 +57,8 @@ from llvmlite import ir
 from numba import prange, types
 from numba.extending import intrinsic
 
-from ..backends.jit import jit_kernel
+from .jit import jit_kernel
 from ..errors import ConfigError, DTypeError, ShapeError
-from .gguf.blocks import NBits
 
 __all__ = ["BlockWeight", "block_matmul"]
 
@@ -113,9 +117,12 @@ class BlockWeight:
                                  f"{shape} array, got {a.shape}")
 
     @classmethod
-    def from_nbits(cls, parts: NBits) -> BlockWeight:
-        """Lay out MatMulNBits parts (``codes`` may share ``parts.B``'s memory)."""
-        if not isinstance(parts, NBits):
+    def from_nbits(cls, parts: Any) -> BlockWeight:
+        """Lay out MatMulNBits parts, an :class:`~pagedkv_np.models.gguf.blocks.NBits`
+        (read by its attributes: this package's backends import nothing of the
+        models; ``codes`` may share ``parts.B``'s memory)."""
+        names = ("bits", "block_size", "B", "scales", "zero_points", "offsets")
+        if not all(hasattr(parts, name) for name in names):
             raise DTypeError(f"Invalid parts: expected an NBits, got {type(parts).__name__}")
         bits, block_size = parts.bits, parts.block_size
         if bits not in (4, 8) or block_size not in (16, 32):
@@ -155,7 +162,7 @@ class BlockWeight:
         return cls(bits, block_size, k, n, codes, zero, scales, offsets)
 
 
-def block_matmul(x: np.ndarray, weight: BlockWeight | NBits,
+def block_matmul(x: np.ndarray, weight: Any,
                  out: np.ndarray | None = None) -> np.ndarray:
     """``x @ w`` for a weight in quantized blocks (see the module docstring).
 
@@ -164,7 +171,8 @@ def block_matmul(x: np.ndarray, weight: BlockWeight | NBits,
     x : ndarray, shape [M, K], float32
         Activations, one row per token (``M`` may be 0).
     weight : BlockWeight or NBits
-        The weight; prepare an :class:`NBits` once with
+        The weight (an :class:`~pagedkv_np.models.gguf.blocks.NBits`, or anything
+        with its attributes); prepare it once with
         :meth:`BlockWeight.from_nbits` when it is used more than once.
     out : ndarray, shape [M, N], float32, C-contiguous, optional
         Where to write the product.
