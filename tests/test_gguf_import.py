@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -242,8 +243,35 @@ def _model_weight(inits: dict, name: str) -> np.ndarray:
 
 
 def _initializers(folder) -> dict:
+    """The folder's initializers by name; a packed weight (``l{i}.wqkv``,
+    ``l{i}.w_gate_up``) is also given as its parts' names, split by columns."""
     model = onnx.load(str(folder / "model.onnx"))
-    return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    cfg = json.loads((folder / "config.json").read_text())
+    d, ffn = cfg["head_dim"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    groups = {"wqkv": (("wq", q), ("wk", kv), ("wv", kv)),
+              "w_gate_up": (("w_gate", ffn), ("w_up", ffn)),
+              "bqkv": (("bq", q), ("bk", kv), ("bv", kv))}
+    for name, value in list(inits.items()):
+        m = re.fullmatch(r"(l\d+)\.(wqkv|w_gate_up|bqkv)(\.\w+)?", name)
+        if m is None:
+            continue
+        layer, group, suffix = m.group(1), m.group(2), m.group(3) or ""
+        parts = groups[group]
+        n = sum(size for _, size in parts)
+        by_column = suffix in ("", ".mins") and value.ndim == 2   # [in, N], [blocks, N]
+        rows = value if by_column else value.reshape(n, -1)   # by output row
+        start = 0
+        for part, size in parts:
+            piece = rows[:, start:start + size] if by_column else rows[start:start + size]
+            if suffix in (".scales", ".qzeros") or value.ndim == 1:
+                piece = piece.reshape(-1)
+            elif suffix == ".qweight":
+                piece = piece.reshape((size,) + value.shape[1:])
+            inits[f"{layer}.{part}{suffix}"] = piece
+            start += size
+    return inits
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -153,5 +153,5 @@ def test_seed_changes_the_weights_only():
     assert [i.name for i in a.graph.input] == [i.name for i in b.graph.input]
     wa = {t.name: t.raw_data for t in a.graph.initializer}
     wb = {t.name: t.raw_data for t in b.graph.initializer}
-    assert wa["l0.wq"] != wb["l0.wq"]
+    assert wa["l0.wqkv"] != wb["l0.wqkv"]     # Q, K and V packed side by side
     assert reference_logits(CONFIG, [1, 2, 3], seed=1).shape == (3, CONFIG.vocab_size)

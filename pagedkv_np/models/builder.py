@@ -35,7 +35,26 @@ from .geometry import Linear
 from .gguf.blocks import BlockQuantized, NBits
 from .onnx_data import ExternalData
 
-__all__ = ["GraphBuilder", "BlockInputs"]
+__all__ = ["GraphBuilder", "BlockInputs", "pack"]
+
+
+def pack(ws: list[Linear]) -> Linear | None:
+    """One weight computing ``ws``' outputs side by side (columns, in order),
+    or None when they cannot share one node: float arrays of one dtype, or
+    blocks of one kind (a block row is an output's whole row, so the packed
+    weight's rows are theirs, byte for byte). Fewer, larger nodes cost less
+    per token at batch 1, where each node's fixed cost is a large part."""
+    if len({w.shape[0] for w in ws}) != 1:
+        return None
+    if all(isinstance(w, BlockQuantized) for w in ws):
+        kinds = {w.kind for w in ws}       # type: ignore[union-attr]
+        if len(kinds) != 1:
+            return None
+        return BlockQuantized(kinds.pop(), np.concatenate([w.blocks for w in ws]))  # type: ignore[union-attr]
+    arrays = [w for w in ws if isinstance(w, np.ndarray)]
+    if len(arrays) == len(ws) and len({w.dtype for w in arrays}) == 1:
+        return np.concatenate(arrays, axis=1)
+    return None
 
 
 @dataclass(frozen=True)
@@ -137,6 +156,18 @@ class GraphBuilder:
                                           keepdims=0)
         mins = self.op("MatMul", [self.blocksums[key], b.offsets])
         return self.op("Add", [y, mins], outputs=outputs)
+
+    def linears(self, x: str, named: dict[str, Linear], name: str) -> list[str]:
+        """``x @ w`` for each weight of ``named`` (same input size), as one node
+        ``name`` and a ``Split`` where they pack (:func:`pack`), else one node each
+        under its own name."""
+        ws = list(named.values())
+        packed = pack(ws)
+        if packed is None:
+            return [self.linear(x, w, part) for part, w in named.items()]
+        y = self.linear(x, packed, name)
+        sizes = self.const(np.array([w.shape[1] for w in ws], np.int64))
+        return self.op("Split", [y, sizes], axis=-1, num_outputs=len(ws))
 
     def rows(self, w: BlockQuantized, ids: str, name: str) -> str:
         """Rows ``ids`` (int64 [B, S]) of an embedding in blocks, one row of

@@ -28,6 +28,14 @@ keeps the right distances. :func:`~pagedkv_np.models.reference.reference_logits`
 is the same network in NumPy, without a cache, that the graphs are checked
 against.
 
+Fewer, larger nodes: at batch 1 each node's fixed cost is a large part of a
+token's time, so Q, K and V run as one linear node where their weights pack
+(:func:`~pagedkv_np.models.builder.pack`: one dtype or one block kind), and
+GroupQueryAttention takes them packed; gate and up likewise, split after; an
+RMSNorm is onnxruntime's ``SimplifiedLayerNormalization`` and a residual add
+with the norm after it one ``SkipSimplifiedLayerNormalization``. Packed
+weights are named ``l{i}.wqkv``, ``l{i}.bqkv`` and ``l{i}.w_gate_up``.
+
 Weight names and shapes: :mod:`pagedkv_np.models.geometry`.
 """
 
@@ -46,7 +54,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pagedkv_np.models.graph needs onnx: pip install 'pagedkv-np[onnx]'") from exc
 
 from ..errors import ConfigError
-from .builder import GraphBuilder
+from .builder import GraphBuilder, pack
 from .geometry import DecoderGeometry, Linear, check_weights, rope_tables, weight_names
 from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
@@ -59,12 +67,6 @@ __all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
 FAMILIES = ("optimum", "gqa")
 _OPSET = 17
 _MASK_VALUE = -1e9  # finite, so fully padded rows stay finite (no NaN spreads)
-
-
-def _rms_norm(g: GraphBuilder, x: str, weight: str, eps: float) -> str:
-    ms = g.op("ReduceMean", [g.op("Mul", [x, x])], axes=[-1], keepdims=1)
-    inv = g.op("Reciprocal", [g.op("Sqrt", [g.op("Add", [ms, g.const(np.float32(eps))])])])
-    return g.op("Mul", [g.op("Mul", [x, inv]), weight])
 
 
 def _shape_at(g: GraphBuilder, x: str, axis: int) -> str:
@@ -104,14 +106,37 @@ class _Layers:
         return rope_tables(self.c, factors, local=local)
 
     def norm(self, x: str, name: str) -> str:
-        return _rms_norm(self.g, x, self.vec(name), self.c.rms_eps)
+        """RMSNorm over the last axis: onnxruntime's one-node form."""
+        return self.g.op("SimplifiedLayerNormalization", [x, self.vec(name)], axis=-1,
+                         epsilon=float(self.c.rms_eps))
 
-    def qkv(self, h: str, i: int) -> list[str]:
-        """Q, K, V [B, S, heads * head_dim], Q and K normed per head with qk_norm."""
+    def add_norm(self, x: str, out: str | None, name: str) -> tuple[str, str]:
+        """The residual ``x + out`` (``x`` when ``out`` is None) and its RMSNorm,
+        in one node: (normed, residual)."""
+        if out is None:
+            return self.norm(x, name), x
+        g = self.g
+        h, _, _, total = g.op("SkipSimplifiedLayerNormalization", [out, x, self.vec(name)],
+                              outputs=[g.name("normed"), "", "", g.name("residual")],
+                              domain="com.microsoft", epsilon=float(self.c.rms_eps))
+        return h, total
+
+    def qkv(self, h: str, i: int, packed: bool = False) -> list[str]:
+        """Q, K, V [B, S, heads * head_dim], Q and K normed per head with qk_norm;
+        with ``packed``, where they can be, one tensor of the three side by side
+        (GroupQueryAttention's packed input)."""
         g, c = self.g, self.c
+        ws = [self.w[f"l{i}.w{which}"] for which in "qkv"]
+        if packed and not c.qk_norm and pack(ws) is not None:
+            y = g.linear(h, cast(Linear, pack(ws)), f"l{i}.wqkv")
+            if c.qkv_bias:
+                y = g.op("Add", [y, g.float_init(np.concatenate(
+                    [self.array(f"l{i}.b{which}") for which in "qkv"]), f"l{i}.bqkv")])
+            return [y]
         out = []
-        for which, n in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
-            y = g.linear(h, self.w[f"l{i}.w{which}"], f"l{i}.w{which}")
+        for which, n, y in zip("qkv", (c.num_heads, c.num_kv_heads, c.num_kv_heads),
+                               g.linears(h, dict(zip((f"l{i}.w{part}" for part in "qkv"), ws)),
+                                         f"l{i}.wqkv")):
             if c.qkv_bias:
                 y = g.op("Add", [y, self.vec(f"l{i}.b{which}")])
             if c.qk_norm and which != "v":
@@ -132,20 +157,21 @@ class _Layers:
         half = g.op("Mul", [gate, g.const(np.float32(0.5))])
         return g.op("Mul", [half, g.op("Add", [t, g.const(np.float32(1.0))])])
 
-    def finish(self, x: str, attn: str, i: int) -> str:
-        """Residual after attention, then the MLP block (post-norms before each add)."""
+    def finish(self, x: str, attn: str, i: int) -> tuple[str, str]:
+        """After attention: its projection added to the residual, then the MLP
+        block (post-norms before each add); returns the residual and the MLP's
+        output, not yet added (the next norm adds it)."""
         g, w = self.g, self.w
         out = g.linear(attn, w[f"l{i}.wo"], f"l{i}.wo")
         if self.c.post_norms:
             out = self.norm(out, f"l{i}.post_attn_norm")
-        x = g.op("Add", [x, out])
-        h = self.norm(x, f"l{i}.mlp_norm")
-        gate = g.linear(h, w[f"l{i}.w_gate"], f"l{i}.w_gate")
-        up = g.linear(h, w[f"l{i}.w_up"], f"l{i}.w_up")
+        h, x = self.add_norm(x, out, f"l{i}.mlp_norm")
+        gate, up = g.linears(h, {f"l{i}.w_{part}": w[f"l{i}.w_{part}"] for part in ("gate", "up")},
+                             f"l{i}.w_gate_up")
         out = g.linear(g.op("Mul", [self.act(gate), up]), w[f"l{i}.w_down"], f"l{i}.w_down")
         if self.c.post_norms:
             out = self.norm(out, f"l{i}.post_mlp_norm")
-        return g.op("Add", [x, out])
+        return x, out
 
 
 def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
@@ -200,8 +226,10 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
         t = g.op("Reshape", [t, g.const(np.array([0, 0, n, d], np.int64))])
         return g.op("Transpose", [t], perm=[0, 2, 1, 3])
 
+    out: str | None = None       # the last block's output, added by the next norm
     for i in range(c.num_layers):
-        q, k, v = layers.qkv(layers.norm(x, f"l{i}.attn_norm"), i)
+        h, x = layers.add_norm(x, out, f"l{i}.attn_norm")
+        q, k, v = layers.qkv(h, i)
         cos, sin = tables[c.window(i) > 0]
         bias = biases[c.window(i)]
         q, k = _rotate(g, heads(q, nh), cos, sin), _rotate(g, heads(k, nkv), cos, sin)
@@ -216,8 +244,8 @@ def _optimum_layers(layers: _Layers, x: str, position_ids: str | None) -> str:
         attn = g.op("Reshape", [attn, g.const(np.array([0, nh, -1, d], np.int64))])
         attn = g.op("Transpose", [attn], perm=[0, 2, 1, 3])
         attn = g.op("Reshape", [attn, g.const(np.array([0, 0, nh * d], np.int64))])
-        x = layers.finish(x, attn, i)
-    return x
+        x, out = layers.finish(x, attn, i)
+    return x if out is None else g.op("Add", [x, out])
 
 
 def _bias(g: GraphBuilder, c: DecoderGeometry, allowed: str) -> str:
@@ -241,8 +269,11 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
     caches = {False: tuple(g.const(t, "cos_sin_cache") for t in layers.rope(False))}
     caches[True] = (tuple(g.const(t, "cos_sin_cache_local") for t in layers.rope(True))
                     if c.local_rope else caches[False])
+    out: str | None = None       # the last block's output, added by the next norm
     for i in range(c.num_layers):
-        q, k, v = layers.qkv(layers.norm(x, f"l{i}.attn_norm"), i)
+        h, x = layers.add_norm(x, out, f"l{i}.attn_norm")
+        qkv = layers.qkv(h, i, packed=True)
+        q, k, v = qkv if len(qkv) == 3 else (qkv[0], "", "")     # "": packed in the query
         cos, sin = caches[c.window(i) > 0]
         # local_window_size counts the keys a query sees, itself included (checked
         # against the NumPy reference in prompt and decode steps); -1: all
@@ -254,8 +285,8 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
             domain="com.microsoft", num_heads=c.num_heads, kv_num_heads=c.num_kv_heads,
             do_rotary=1, rotary_interleaved=0, scale=float(c.query_scale),
             local_window_size=c.window(i) or -1)[0]
-        x = layers.finish(x, attn, i)
-    return x
+        x, out = layers.finish(x, attn, i)
+    return x if out is None else g.op("Add", [x, out])
 
 
 def _lm_head(layers: _Layers, x: str) -> None:
