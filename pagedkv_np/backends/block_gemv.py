@@ -11,16 +11,23 @@ activations (``accuracy_level=4``), which changes the answers, so an exact
 
 The arithmetic is float32 with one fixed order per output ``(m, n)``:
 
-* ``lanes[i] += scale_b * ((code - zero) * x)`` over the blocks ``b`` of the
-  weight row in order, lane ``i`` taking input ``i`` of every block (for 4
-  bits, byte ``i``: ``scale_b * ((lo - zero) * x_even + (hi - zero) * x_odd)``);
-* the lanes summed as a fixed binary tree;
+* the weights of block ``b``, ``w = scale_b * float(code - zero)`` (one
+  rounding: the float32 dequantized weight without its offset);
+* two accumulators of 8 lanes; the block's inputs taken in groups of 8 (8
+  bits: inputs ``8g .. 8g + 7``; 4 bits: for bytes ``8v .. 8v + 7``, their low
+  nibbles with the even inputs, then their high nibbles with the odd ones),
+  group ``g`` going to accumulator ``g % 2`` as ``acc = fma(w, x, acc)``, one
+  rounding per input, blocks in order;
+* the two accumulators added, then their 8 lanes summed as a fixed binary tree
+  (``lane[i] += lane[i + width]``, width 4, 2, 1);
 * plus ``sum_b blocksum_b(x) * offset_b`` in block order, ``blocksum_b`` the
   sequential sum of block ``b``'s inputs.
 
-Work is split over outputs ``n`` only, and every ``m`` runs the same compiled
-loop, so a row's result does not depend on how many rows come with it, on
-the thread count or on the call (``tests/test_block_gemv.py`` checks rows
+Work is split over outputs ``n`` only; rows go in tiles of 4 (then 2, then
+1) that share each group's conversion of codes to weights, the part that
+costs most, but each row's arithmetic is the same in every tile, so its
+result does not depend on how many rows come with it, on the thread count or
+on the call (``tests/test_block_gemv.py`` checks rows
 bitwise alone and in batches). The difference from a float64 product stays
 within a few float32 roundings of ``sum |w| |x|`` per output.
 
@@ -28,9 +35,8 @@ It lives with the backends, not beside the GGUF import, because it is a
 Numba kernel under this package's cache policy (:mod:`.jit`) and the models
 import nothing of the backends; it reads the parts by their attributes.
 
-Codes are prepared once per weight (:class:`BlockWeight`): 8-bit codes as
-int8 ``code - zero`` (int16 when some do not fit), 4-bit codes left packed
-two per byte as MatMulNBits packs them, the zero points unpacked.
+Codes are prepared once per weight (:class:`BlockWeight`): left as MatMulNBits
+packs them (8 bits one per byte, 4 bits two per byte), the zero points unpacked.
 Figures (``scripts/bench_block_gemv.py``, 2 threads, this 2-core AVX2
 machine at load average 5-6 from other jobs, 2026-12-02; median / best ms of
 one head call, M = 1)::
@@ -55,6 +61,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from .jit import jit_kernel
@@ -266,12 +273,20 @@ def _row_pointer(context, builder, arrty, arr, row, elty):
     return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elty.as_pointer())
 
 
+def _fma(builder, a, b, c):
+    """``a * b + c`` with one rounding (``llvm.fma``: a fused multiply-add on
+    AVX2, exact whatever the flags; never contracted from separate operations)."""
+    fnty = ir.FunctionType(_V8F, [_V8F, _V8F, _V8F])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.fma.v8f32")
+    return builder.call(fn, [a, b, c])
+
+
 def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_blocks):
-    """IR of one output's lanes (see the module docstring), summed as a tree, for
-    each of ``rows`` (pairs of even and odd input pointers): the codes are
-    converted once for all rows, each row's arithmetic is its own."""
+    """IR of one output's two accumulators (see the module docstring), summed as
+    a tree, for each of ``rows`` (pairs of even and odd input pointers): each
+    group of 8 codes is converted to weights once for all rows, each row's
+    arithmetic is its own and the same whatever rows come with it."""
     intp = num_blocks.type
-    num_vec = block_size // _LANES if bits == 8 else block_size // (2 * _LANES)
     block_bytes = block_size * bits // 8
     block_xs = block_size if bits == 8 else block_size // 2
     start = builder.block
@@ -281,11 +296,11 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_
     builder.position_at_end(loop)
     b = builder.phi(intp)
     b.add_incoming(ir.Constant(intp, 0), start)
-    lanes = []
-    for _ in range(len(rows) * num_vec):
+    accs = []
+    for _ in range(2 * len(rows)):
         acc = builder.phi(_V8F)
         acc.add_incoming(ir.Constant(_V8F, [0.0] * _LANES), start)
-        lanes.append(acc)
+        accs.append(acc)
     scale = _splat(builder, builder.load(builder.gep(scales, [b])), _V8F)
     zero = _splat(builder, builder.zext(builder.load(builder.gep(zeros, [b])), _I32), _V8I)
     at_code = builder.mul(b, ir.Constant(intp, block_bytes))
@@ -295,26 +310,26 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_
         ptr = builder.bitcast(builder.gep(base, [builder.add(at_x, off)]), _V8F.as_pointer())
         return builder.load(ptr, align=4)
 
-    new = list(lanes)
-    for v in range(num_vec):
+    def weight(q):                       # scale_b * (code - zero), one rounding
+        return builder.fmul(scale, builder.sitofp(builder.sub(q, zero), _V8F))
+
+    groups = []                          # (weights, which input array, offset), in order
+    for v in range(block_bytes // _LANES):
         off = ir.Constant(intp, v * _LANES)
         ptr = builder.gep(codes, [builder.add(at_code, off)])
         q = builder.zext(builder.load(builder.bitcast(ptr, _V8B.as_pointer()), align=1), _V8I)
         if bits == 8:
-            code = builder.sitofp(builder.sub(q, zero), _V8F)
+            groups.append((weight(q), 0, off))
         else:
-            low = builder.and_(q, ir.Constant(_V8I, [15] * _LANES))
-            high = builder.lshr(q, ir.Constant(_V8I, [4] * _LANES))
-            code = builder.sitofp(builder.sub(low, zero), _V8F)
-            code_high = builder.sitofp(builder.sub(high, zero), _V8F)
-        for r, (even, odd) in enumerate(rows):
-            prod = builder.fmul(code, load_x(even, off))
-            if bits == 4:
-                prod = builder.fadd(prod, builder.fmul(code_high, load_x(odd, off)))
-            i = r * num_vec + v
-            new[i] = builder.fadd(lanes[i], builder.fmul(scale, prod))
+            groups.append((weight(builder.and_(q, ir.Constant(_V8I, [15] * _LANES))), 0, off))
+            groups.append((weight(builder.lshr(q, ir.Constant(_V8I, [4] * _LANES))), 1, off))
+    new = list(accs)
+    for g, (w, odd, off) in enumerate(groups):
+        for r, pointers in enumerate(rows):
+            i = 2 * r + g % 2
+            new[i] = _fma(builder, w, load_x(pointers[odd], off), new[i])
     nxt = builder.add(b, ir.Constant(intp, 1))
-    for acc, value in zip(lanes, new):
+    for acc, value in zip(accs, new):
         acc.add_incoming(value, loop)
     b.add_incoming(nxt, loop)
     builder.cbranch(builder.icmp_signed("<", nxt, num_blocks), loop, done)
@@ -322,13 +337,9 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_
     undef = ir.Constant(_V8F, ir.Undefined)
     totals = []
     for r in range(len(rows)):
-        vecs = new[r * num_vec:(r + 1) * num_vec]
-        while len(vecs) > 1:             # lanes[i] += lanes[i + width], width halving
-            half = len(vecs) // 2
-            vecs = [builder.fadd(vecs[i], vecs[i + half]) for i in range(half)]
-        vec = vecs[0]
+        vec = builder.fadd(new[2 * r], new[2 * r + 1])
         width = _LANES // 2
-        while width:
+        while width:                     # lanes[i] += lanes[i + width], width halving
             mask = [(i + width) % _LANES for i in range(_LANES)]
             vec = builder.fadd(vec, builder.shuffle_vector(vec, undef, ir.Constant(_V8I, mask)))
             width //= 2
@@ -368,14 +379,16 @@ def _block_dot_intrinsic(bits, block_size, num_rows):
     return intrinsic(typer)
 
 
-_dot8_16 = _block_dot_intrinsic(8, 16, 1)
-_dot8_32 = _block_dot_intrinsic(8, 32, 1)
-_dot4_16 = _block_dot_intrinsic(4, 16, 1)
-_dot4_32 = _block_dot_intrinsic(4, 32, 1)
-_pair8_16 = _block_dot_intrinsic(8, 16, 2)
-_pair8_32 = _block_dot_intrinsic(8, 32, 2)
-_pair4_16 = _block_dot_intrinsic(4, 16, 2)
-_pair4_32 = _block_dot_intrinsic(4, 32, 2)
+# rows in tiles of 4, then 2 and 1 for the rest: a tile's 8 accumulators, its
+# block's weights, scale and zero fit AVX2's 16 vector registers
+_dot8_16 = [_block_dot_intrinsic(8, 16, r) for r in (1, 2, 4)]
+_dot8_32 = [_block_dot_intrinsic(8, 32, r) for r in (1, 2, 4)]
+_dot4_16 = [_block_dot_intrinsic(4, 16, r) for r in (1, 2, 4)]
+_dot4_32 = [_block_dot_intrinsic(4, 32, r) for r in (1, 2, 4)]
+_one8_16, _two8_16, _four8_16 = _dot8_16
+_one8_32, _two8_32, _four8_32 = _dot8_32
+_one4_16, _two4_16, _four4_16 = _dot4_16
+_one4_32, _two4_32, _four4_32 = _dot4_32
 
 
 @jit_kernel
@@ -385,33 +398,58 @@ def _finish(total, sums, offsets, m, n, out):
     out[m, n] = total
 
 
+@jit_kernel
+def _four(codes, zeros, scales, even, odd, n, m, bits, block_size):
+    if bits == 8 and block_size == 32:
+        return _four8_32(codes, zeros, scales, even, odd, n, m)
+    if bits == 8:
+        return _four8_16(codes, zeros, scales, even, odd, n, m)
+    if block_size == 32:
+        return _four4_32(codes, zeros, scales, even, odd, n, m)
+    return _four4_16(codes, zeros, scales, even, odd, n, m)
+
+
+@jit_kernel
+def _two(codes, zeros, scales, even, odd, n, m, bits, block_size):
+    if bits == 8 and block_size == 32:
+        return _two8_32(codes, zeros, scales, even, odd, n, m)
+    if bits == 8:
+        return _two8_16(codes, zeros, scales, even, odd, n, m)
+    if block_size == 32:
+        return _two4_32(codes, zeros, scales, even, odd, n, m)
+    return _two4_16(codes, zeros, scales, even, odd, n, m)
+
+
+@jit_kernel
+def _one(codes, zeros, scales, even, odd, n, m, bits, block_size):
+    if bits == 8 and block_size == 32:
+        return _one8_32(codes, zeros, scales, even, odd, n, m)
+    if bits == 8:
+        return _one8_16(codes, zeros, scales, even, odd, n, m)
+    if block_size == 32:
+        return _one4_32(codes, zeros, scales, even, odd, n, m)
+    return _one4_16(codes, zeros, scales, even, odd, n, m)
+
+
 @jit_kernel(parallel=True)
 def _gemm(even, odd, codes, zeros, scales, sums, offsets, bits, block_size, chunks, out):
-    """Every output ``(m, n)``: its block dot (rows two at a time, then the odd
-    one out), then the block-sum term in block order."""
+    """Every output ``(m, n)``: its block dot (rows four at a time, then two,
+    then one), then the block-sum term in block order."""
     num_rows = even.shape[0]
     n_total = codes.shape[0]
+    fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
     for c in prange(chunks):
         for n in range(c * n_total // chunks, (c + 1) * n_total // chunks):
-            for m in range(0, num_rows - 1, 2):
-                if bits == 8 and block_size == 32:
-                    t0, t1 = _pair8_32(codes, zeros, scales, even, odd, n, m)
-                elif bits == 8:
-                    t0, t1 = _pair8_16(codes, zeros, scales, even, odd, n, m)
-                elif block_size == 32:
-                    t0, t1 = _pair4_32(codes, zeros, scales, even, odd, n, m)
-                else:
-                    t0, t1 = _pair4_16(codes, zeros, scales, even, odd, n, m)
+            for m in range(0, fours, 4):
+                t0, t1, t2, t3 = _four(codes, zeros, scales, even, odd, n, m, bits, block_size)
                 _finish(t0, sums, offsets, m, n, out)
                 _finish(t1, sums, offsets, m + 1, n, out)
-            if num_rows % 2:
-                m = num_rows - 1
-                if bits == 8 and block_size == 32:
-                    t = _dot8_32(codes, zeros, scales, even, odd, n, m)
-                elif bits == 8:
-                    t = _dot8_16(codes, zeros, scales, even, odd, n, m)
-                elif block_size == 32:
-                    t = _dot4_32(codes, zeros, scales, even, odd, n, m)
-                else:
-                    t = _dot4_16(codes, zeros, scales, even, odd, n, m)
-                _finish(t[0], sums, offsets, m, n, out)
+                _finish(t2, sums, offsets, m + 2, n, out)
+                _finish(t3, sums, offsets, m + 3, n, out)
+            if twos > fours:
+                t0, t1 = _two(codes, zeros, scales, even, odd, n, fours, bits, block_size)
+                _finish(t0, sums, offsets, fours, n, out)
+                _finish(t1, sums, offsets, fours + 1, n, out)
+            if num_rows > twos:
+                t = _one(codes, zeros, scales, even, odd, n, twos, bits, block_size)
+                _finish(t[0], sums, offsets, twos, n, out)
