@@ -281,11 +281,14 @@ def _fma(builder, a, b, c):
     return builder.call(fn, [a, b, c])
 
 
-def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_blocks):
+def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_blocks,
+                     store=None):
     """IR of one output's two accumulators (see the module docstring), summed as
     a tree, for each of ``rows`` (pairs of even and odd input pointers): each
     group of 8 codes is converted to weights once for all rows, each row's
-    arithmetic is its own and the same whatever rows come with it."""
+    arithmetic is its own and the same whatever rows come with it. With
+    ``store`` (a float pointer), the weights are also written there, group
+    after group (``K`` floats)."""
     intp = num_blocks.type
     block_bytes = block_size * bits // 8
     block_xs = block_size if bits == 8 else block_size // 2
@@ -323,6 +326,11 @@ def _build_block_dot(builder, bits, block_size, codes, zeros, scales, rows, num_
         else:
             groups.append((weight(builder.and_(q, ir.Constant(_V8I, [15] * _LANES))), 0, off))
             groups.append((weight(builder.lshr(q, ir.Constant(_V8I, [4] * _LANES))), 1, off))
+    if store is not None:
+        at_w = builder.mul(b, ir.Constant(intp, block_size))
+        for g, (w, _, _) in enumerate(groups):
+            ptr = builder.gep(store, [builder.add(at_w, ir.Constant(intp, g * _LANES))])
+            builder.store(w, builder.bitcast(ptr, _V8F.as_pointer()), align=4)
     new = list(accs)
     for g, (w, odd, off) in enumerate(groups):
         for r, pointers in enumerate(rows):
@@ -379,6 +387,123 @@ def _block_dot_intrinsic(bits, block_size, num_rows):
     return intrinsic(typer)
 
 
+def _build_buffer_dot(builder, bits, weights, rows, num_pairs):
+    """As :func:`_build_block_dot`, the weights read from ``weights`` (as it
+    stores them): the same operations on the same values, so the same bits."""
+    intp = num_pairs.type
+    start = builder.block
+    loop = builder.append_basic_block("buffer_dot.loop")
+    done = builder.append_basic_block("buffer_dot.done")
+    builder.branch(loop)
+    builder.position_at_end(loop)
+    p = builder.phi(intp)
+    p.add_incoming(ir.Constant(intp, 0), start)
+    accs = []
+    for _ in range(2 * len(rows)):
+        acc = builder.phi(_V8F)
+        acc.add_incoming(ir.Constant(_V8F, [0.0] * _LANES), start)
+        accs.append(acc)
+    at_w = builder.mul(p, ir.Constant(intp, 2 * _LANES))
+    new = list(accs)
+    for g in range(2):
+        ptr = builder.gep(weights, [builder.add(at_w, ir.Constant(intp, g * _LANES))])
+        w = builder.load(builder.bitcast(ptr, _V8F.as_pointer()), align=4)
+        for r, (even, odd) in enumerate(rows):
+            if bits == 8:
+                base, at = even, builder.add(at_w, ir.Constant(intp, g * _LANES))
+            else:
+                base, at = (odd if g else even), builder.mul(p, ir.Constant(intp, _LANES))
+            x = builder.load(builder.bitcast(builder.gep(base, [at]), _V8F.as_pointer()),
+                             align=4)
+            new[2 * r + g] = _fma(builder, w, x, new[2 * r + g])
+    nxt = builder.add(p, ir.Constant(intp, 1))
+    for acc, value in zip(accs, new):
+        acc.add_incoming(value, loop)
+    p.add_incoming(nxt, loop)
+    builder.cbranch(builder.icmp_signed("<", nxt, num_pairs), loop, done)
+    builder.position_at_end(done)
+    undef = ir.Constant(_V8F, ir.Undefined)
+    totals = []
+    for r in range(len(rows)):
+        vec = builder.fadd(new[2 * r], new[2 * r + 1])
+        width = _LANES // 2
+        while width:
+            mask = [(i + width) % _LANES for i in range(_LANES)]
+            vec = builder.fadd(vec, builder.shuffle_vector(vec, undef, ir.Constant(_V8I, mask)))
+            width //= 2
+        totals.append(builder.extract_element(vec, ir.Constant(_I32, 0)))
+    return totals
+
+
+def _array_pointer(context, builder, arrty, arr, elty):
+    ary = context.make_array(arrty)(context, builder, arr)
+    return builder.bitcast(ary.data, elty.as_pointer())
+
+
+def _store_intrinsic(bits, block_size):
+    """``store_weights(codes, zeros, scales, weights, n)``: output ``n``'s
+    weights, group after group, into ``weights`` (float32 ``[K]``)."""
+
+    def typer(typingctx, codes, zeros, scales, weights, n):
+        sig = types.intp(codes, zeros, scales, weights, types.intp)
+
+        def codegen(context, builder, sig, args):
+            codes_v, zeros_v, scales_v, weights_v, n_v = args
+            ty = sig.args
+            num_blocks = builder.extract_value(
+                context.make_array(ty[2])(context, builder, scales_v).shape, 1)
+            _build_block_dot(
+                builder, bits, block_size,
+                _row_pointer(context, builder, ty[0], codes_v, n_v, ir.IntType(8)),
+                _row_pointer(context, builder, ty[1], zeros_v, n_v, ir.IntType(8)),
+                _row_pointer(context, builder, ty[2], scales_v, n_v, _F32), [], num_blocks,
+                store=_array_pointer(context, builder, ty[3], weights_v, _F32))
+            return ir.Constant(ir.IntType(64), 0)
+
+        return sig, codegen
+
+    typer.__name__ = f"store_weights{bits}_{block_size}"
+    return intrinsic(typer)
+
+
+def _buffer_dot_intrinsic(bits, num_rows):
+    """``buffer_dot(weights, even, odd, m)``: rows ``m .. m + num_rows - 1``
+    against weights stored by ``store_weights``, a tuple."""
+
+    def typer(typingctx, weights, even, odd, m):
+        sig = types.UniTuple(types.float32, num_rows)(weights, even, odd, types.intp)
+
+        def codegen(context, builder, sig, args):
+            weights_v, even_v, odd_v, m_v = args
+            ty = sig.args
+            num_pairs = builder.sdiv(
+                builder.extract_value(context.make_array(ty[0])(context, builder,
+                                                                weights_v).shape, 0),
+                ir.Constant(m_v.type, 2 * _LANES))
+            rows = []
+            for r in range(num_rows):
+                row = builder.add(m_v, ir.Constant(m_v.type, r))
+                rows.append((_row_pointer(context, builder, ty[1], even_v, row, _F32),
+                             _row_pointer(context, builder, ty[2], odd_v, row, _F32)))
+            totals = _build_buffer_dot(
+                builder, bits, _array_pointer(context, builder, ty[0], weights_v, _F32),
+                rows, num_pairs)
+            return context.make_tuple(builder, sig.return_type, totals)
+
+        return sig, codegen
+
+    typer.__name__ = f"buffer_dot{bits}_{num_rows}"
+    return intrinsic(typer)
+
+
+_store8_16, _store8_32 = _store_intrinsic(8, 16), _store_intrinsic(8, 32)
+_store4_16, _store4_32 = _store_intrinsic(4, 16), _store_intrinsic(4, 32)
+_buf8 = [_buffer_dot_intrinsic(8, r) for r in (1, 2, 4)]
+_buf4 = [_buffer_dot_intrinsic(4, r) for r in (1, 2, 4)]
+_buf_one8, _buf_two8, _buf_four8 = _buf8
+_buf_one4, _buf_two4, _buf_four4 = _buf4
+
+
 # rows in tiles of 4, then 2 and 1 for the rest: a tile's 8 accumulators, its
 # block's weights, scale and zero fit AVX2's 16 vector registers
 _dot8_16 = [_block_dot_intrinsic(8, 16, r) for r in (1, 2, 4)]
@@ -431,25 +556,65 @@ def _one(codes, zeros, scales, even, odd, n, m, bits, block_size):
     return _one4_16(codes, zeros, scales, even, odd, n, m)
 
 
+@jit_kernel
+def _store(codes, zeros, scales, weights, n, bits, block_size):
+    if bits == 8 and block_size == 32:
+        return _store8_32(codes, zeros, scales, weights, n)
+    if bits == 8:
+        return _store8_16(codes, zeros, scales, weights, n)
+    if block_size == 32:
+        return _store4_32(codes, zeros, scales, weights, n)
+    return _store4_16(codes, zeros, scales, weights, n)
+
+
 @jit_kernel(parallel=True)
 def _gemm(even, odd, codes, zeros, scales, sums, offsets, bits, block_size, chunks, out):
     """Every output ``(m, n)``: its block dot (rows four at a time, then two,
-    then one), then the block-sum term in block order."""
+    then one), then the block-sum term in block order. Up to 4 rows convert
+    the codes as they go; more convert output ``n``'s weights once into a
+    buffer that every tile reads (the same values: the same bits)."""
     num_rows = even.shape[0]
     n_total = codes.shape[0]
     fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
     for c in prange(chunks):
+        weights = np.empty(codes.shape[1] * 8 // bits, np.float32)
         for n in range(c * n_total // chunks, (c + 1) * n_total // chunks):
+            if num_rows <= 4:
+                if fours:
+                    t0, t1, t2, t3 = _four(codes, zeros, scales, even, odd, n, 0, bits,
+                                           block_size)
+                    _finish(t0, sums, offsets, 0, n, out)
+                    _finish(t1, sums, offsets, 1, n, out)
+                    _finish(t2, sums, offsets, 2, n, out)
+                    _finish(t3, sums, offsets, 3, n, out)
+                if twos > fours:
+                    t0, t1 = _two(codes, zeros, scales, even, odd, n, 0, bits, block_size)
+                    _finish(t0, sums, offsets, 0, n, out)
+                    _finish(t1, sums, offsets, 1, n, out)
+                if num_rows > twos:
+                    t = _one(codes, zeros, scales, even, odd, n, twos, bits, block_size)
+                    _finish(t[0], sums, offsets, twos, n, out)
+                continue
+            _store(codes, zeros, scales, weights, n, bits, block_size)
             for m in range(0, fours, 4):
-                t0, t1, t2, t3 = _four(codes, zeros, scales, even, odd, n, m, bits, block_size)
+                if bits == 8:
+                    t0, t1, t2, t3 = _buf_four8(weights, even, odd, m)
+                else:
+                    t0, t1, t2, t3 = _buf_four4(weights, even, odd, m)
                 _finish(t0, sums, offsets, m, n, out)
                 _finish(t1, sums, offsets, m + 1, n, out)
                 _finish(t2, sums, offsets, m + 2, n, out)
                 _finish(t3, sums, offsets, m + 3, n, out)
             if twos > fours:
-                t0, t1 = _two(codes, zeros, scales, even, odd, n, fours, bits, block_size)
+                if bits == 8:
+                    t0, t1 = _buf_two8(weights, even, odd, fours)
+                else:
+                    t0, t1 = _buf_two4(weights, even, odd, fours)
                 _finish(t0, sums, offsets, fours, n, out)
                 _finish(t1, sums, offsets, fours + 1, n, out)
             if num_rows > twos:
-                t = _one(codes, zeros, scales, even, odd, n, twos, bits, block_size)
-                _finish(t[0], sums, offsets, twos, n, out)
+                if bits == 8:
+                    u = _buf_one8(weights, even, odd, twos)
+                else:
+                    u = _buf_one4(weights, even, odd, twos)
+                _finish(u[0], sums, offsets, twos, n, out)
