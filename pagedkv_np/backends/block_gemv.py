@@ -37,18 +37,24 @@ import nothing of the backends; it reads the parts by their attributes.
 
 Codes are prepared once per weight (:class:`BlockWeight`): left as MatMulNBits
 packs them (8 bits one per byte, 4 bits two per byte), the zero points unpacked.
-Figures (``scripts/bench_block_gemv.py``, 2 threads, this 2-core AVX2
-machine at load average 5-6 from other jobs, 2026-12-02; median / best ms of
-one head call, M = 1)::
+Figures (``scripts/bench_block_gemv.py --rounds 7``, 2 threads, this 2-core
+AVX2 machine at load average 5.1-5.4 from other jobs, 2026-12-02; SmolLM2's
+Q8_0 head, 576 x 49152; median / best ms of one call)::
 
-    head (Q8_0)               ort float32   numpy float32   block   ort nbits4
-    SmolLM2 576 x 49152       21.8 / 15.5   19.7 / 12.9     16.1 / 13.4   10.8 / 9.4
-    Gemma 3 640 x 262144      72.2 / 52.8   59.7 / 55.0     56.0 / 43.1   37.2 / 29.7
+    M     ort float32     numpy float32   block           ort nbits4
+    1     21.0 / 15.2     16.4 / 11.3     20.9 / 13.5     12.3 /  8.0
+    4     16.8 / 14.5     57.0 / 37.9     21.7 / 18.6     16.0 / 10.8
+    8     27.5 / 18.8     47.9 / 42.5     44.0 / 32.5     34.7 / 26.3
+    16    45.6 / 34.2     76.8 / 59.9     70.6 / 61.9     48.6 / 33.1
+    64    97.5 / 83.9    121.4 / 110.4   216.1 / 172.6   142.7 / 124.8
 
-On that load the kernel is compute-bound (5-6 GMAC/s on one thread in
-alone-runs, 3.5 ms best for SmolLM2's head on two); at M = 4 it is 1.5-2x
-slower than onnxruntime's float32 Gemm, at M = 64 3-4x (no register tiling
-beyond two rows: prefill should stay float32). The first call compiles the
+Before the row tiles, in the same conditions (load 4.2), block against ort
+float32 was M = 4 38.6 / 26.9, M = 8 54.5 / 35.7, M = 16 110.6 / 41.5, M = 64
+356.1 / 87.7 ms. On one thread, 576 x 49152 (``block`` best against NumPy's,
+same process), the kernel runs 12-18 GMAC/s from M = 4 on, 1.6x NumPy's rate at
+M = 8, 0.9-1.0x at 16, 0.7x at 64: on two threads at this load it is still
+slower than onnxruntime's float32 Gemm from M = 4 on (1.3x at 4, 1.5x at 8 and
+16, 2.2x at 64), so prefill should stay float32. The first call compiles the
 kernel (about 6 s here, then 0.7 s from Numba's disk cache).
 """
 
