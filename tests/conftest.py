@@ -17,6 +17,7 @@ with the reason its :class:`BackendUnavailable` gives.
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import numpy as np
@@ -27,6 +28,28 @@ from pagedkv_np.errors import BackendUnavailable
 from pagedkv_np.layout import resolve_dtype
 
 from helpers import CACHE_BACKENDS, bits
+
+
+def _numba_cache_per_worker() -> None:
+    """Under pytest-xdist, each worker compiles Numba kernels into a cache
+    directory of its own. Numba's on-disk cache is not safe for two processes
+    compiling the same function at once: each numbers its overloads from its
+    own index, so one can overwrite the other's ``.nbc`` file and later load
+    code compiled for other argument types ("can't unbox array"). Set before
+    any kernel is decorated (the directory is read once per process);
+    subprocesses that tests start inherit it."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    from pagedkv_np.backends import jit
+
+    base = (os.environ.get(jit.ENV_CACHE_DIR) or os.environ.get("NUMBA_CACHE_DIR")
+            or jit._default_cache_dir())
+    if base:
+        os.environ[jit.ENV_CACHE_DIR] = os.path.join(base, f"xdist-{worker}")
+
+
+_numba_cache_per_worker()
 
 # Largest modulus whose integers are exact in each dtype (so values survive the
 # round trip through float16 and bfloat16 unchanged).
