@@ -55,7 +55,8 @@ same process), the kernel runs 12-18 GMAC/s from M = 4 on, 1.6x NumPy's rate at
 M = 8, 0.9-1.0x at 16, 0.7x at 64: on two threads at this load it is still
 slower than onnxruntime's float32 Gemm from M = 4 on (1.3x at 4, 1.5x at 8 and
 16, 2.2x at 64), so prefill should stay float32. The first call compiles the
-kernel (about 6 s here, then 0.7 s from Numba's disk cache).
+kernels for every bits x block size x tile (about 15 s here at load 4, then
+1.5 s from Numba's disk cache; 5.5 s cold before the tiles).
 """
 
 from __future__ import annotations
