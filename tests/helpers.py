@@ -157,3 +157,39 @@ def full_recompute_logits(session, tokens) -> np.ndarray:
         elif arg.name == "num_logits_to_keep":   # 0: every position
             feeds[arg.name] = np.zeros(1, np.int64)
     return session.run(["logits"], feeds)[0][0, -1]
+
+
+# ------------------------------------------------------ a model folder's graph
+class FolderSession:
+    """onnxruntime's session of a model folder's ``model.onnx`` whose ``run``
+    also answers ``"logits"`` for a graph that leaves its LM head to the
+    engine (``hidden`` output, ``lm_head.npz``): the engine's own
+    :class:`~pagedkv_np.onnxruntime.head.BlockHead` over the hidden states,
+    so that a test's NumPy reference checks the head too."""
+
+    def __init__(self, folder) -> None:
+        import pathlib
+
+        import onnxruntime as ort
+
+        from pagedkv_np.models.head_file import HEAD_FILE
+        from pagedkv_np.onnxruntime.head import BlockHead
+
+        folder = pathlib.Path(folder)
+        self.session = ort.InferenceSession(str(folder / "model.onnx"),
+                                            providers=["CPUExecutionProvider"])
+        names = {o.name for o in self.session.get_outputs()}
+        self.head = BlockHead(folder / HEAD_FILE) if "logits" not in names else None
+
+    def get_inputs(self):
+        return self.session.get_inputs()
+
+    def get_outputs(self):
+        return self.session.get_outputs()
+
+    def run(self, names, feeds):
+        if self.head is None or "logits" not in names:
+            return self.session.run(names, feeds)
+        asked = ["hidden" if n == "logits" else n for n in names]
+        outs = self.session.run(asked, feeds)
+        return [self.head(o) if n == "logits" else o for n, o in zip(names, outs)]

@@ -15,10 +15,10 @@ import json
 
 import gguf
 import numpy as np
-import onnxruntime as ort
 import pytest
 import tokenizers
 
+from helpers import FolderSession
 from numpy_decoder import GGUFDecoder, read_gguf
 from pagedkv_np.models.gguf.importer import GGUFFormatError, import_gguf
 from pagedkv_np.onnxruntime import OrtDecoder, UnsupportedModelError
@@ -167,7 +167,7 @@ def cache(tmp_path_factory):
 
 
 def _first_logits(folder, tokens):
-    sess = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = FolderSession(folder)
     return _first_logits_of(sess, tokens)
 
 
@@ -334,7 +334,7 @@ def test_gemma3_270m_greedy_matches_full_recompute(gemma3_270m):
     from the prefix cache, are those of recomputing the whole sequence."""
     _, folder = gemma3_270m
     prompt, n = _prompt(folder), 8
-    sess = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = FolderSession(folder)
     seq = list(prompt)
     for _ in range(n):
         seq.append(int(_first_logits_of(sess, seq)[-1].argmax()))

@@ -17,11 +17,11 @@ import sys
 import gguf
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 import tokenizers
 from onnx import numpy_helper
 
+from helpers import FolderSession
 from pagedkv_np import ConfigError, PagedKVError
 from pagedkv_np.onnxruntime import OrtDecoder, UnsupportedModelError
 from pagedkv_np.models.gguf.importer import (GGUFFormatError, file_digest, import_gguf,
@@ -220,8 +220,8 @@ def _logits(sess, tokens):
     return sess.run(["logits"], feeds)[0][0]
 
 
-def _session(folder):
-    return ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+def _session(folder) -> FolderSession:
+    return FolderSession(folder)
 
 
 def _model_weight(inits: dict, name: str) -> np.ndarray:

@@ -17,6 +17,7 @@ from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized
 from pagedkv_np.models.gguf.importer import import_gguf
 from pagedkv_np.models.gguf.reader import SUPPORTED_TYPES, kept_blocks
 from pagedkv_np.models.graph import build_linear, reference_logits
+from pagedkv_np.models.head_file import read_head
 from pagedkv_np.onnxruntime import OrtDecoder, UnsupportedModelError
 
 from test_gguf_import import _initializers, _logits, _session, random_blocks, write_gguf
@@ -138,11 +139,14 @@ def test_a_q4_k_m_mix_imports_exactly(tmp_path):
         types.update({f"blk.{i}.attn_v.weight": Q.Q6_K, f"blk.{i}.ffn_down.weight": Q.Q6_K,
                       f"blk.{i}.attn_k.weight": Q.Q5_0})
     spec = _k_file(tmp_path, Q.Q4_K, tied=False, seed=7, tensor_types=types)
-    # the Q6_K head at level 0: float32, exact (level 4: tests/test_quantized_head.py)
+    # the Q6_K head at level 0: its blocks, run by the engine (level 4: in the graph,
+    # tests/test_quantized_head.py)
     folder = import_gguf(spec.path, cache_dir=tmp_path / "cache", head_accuracy_level=0)
     inits = _initializers(folder)
     assert "l0.wq.mins" in inits and inits["l0.wv"].dtype == np.float32
-    assert "embed.qweight" in inits and "lm_head" in inits     # Q8_0 rows, float32 head
+    assert "embed.qweight" in inits and "lm_head" not in inits     # Q8_0 rows
+    parts, _ = read_head(folder / "lm_head.npz")
+    assert (parts.bits, parts.block_size) == (8, 16)                  # Q6_K's sub-blocks
     tokens = np.random.default_rng(1).integers(0, spec.geometry.vocab_size, 30).tolist()
     want = reference_logits(spec.geometry, spec.reference, tokens)
     assert np.abs(_logits(_session(folder), tokens) - want).max() < 1e-4 * np.abs(want).max()

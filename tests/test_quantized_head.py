@@ -15,14 +15,14 @@ import sys
 import gguf
 import numpy as np
 import onnx
-import onnxruntime as ort
 import pytest
 from onnx import numpy_helper
 
-from helpers import full_recompute_logits
+from helpers import FolderSession, full_recompute_logits
 from pagedkv_np import ConfigError
 from pagedkv_np.models.gguf.importer import import_gguf
 from pagedkv_np.models.graph import reference_logits
+from pagedkv_np.models.head_file import read_head
 from pagedkv_np.onnxruntime import OrtDecoder
 from test_gguf_import import _smollm2_path, write_gguf
 
@@ -43,8 +43,8 @@ def _initializers(model: onnx.ModelProto) -> dict[str, np.ndarray]:
     return {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
 
 
-def _session(folder) -> ort.InferenceSession:
-    return ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+def _session(folder) -> FolderSession:
+    return FolderSession(folder)
 
 
 def _all_logits(sess, tokens) -> np.ndarray:
@@ -110,7 +110,11 @@ def test_embedding_rows_are_the_blocks_exact_values(tmp_path, embed_type):
     assert np.abs(wrong - want).max() > 0.05 * np.abs(want).max()
 
 
-def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_float32(tmp_path):
+def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_blocks_for_the_engine(tmp_path):
+    """At level 0 an 8-bit tied head leaves the graph: it outputs ``hidden``,
+    names ``lm_head.npz`` (the file's blocks, exactly) in its metadata, and the
+    embedding is gathered from the same blocks; logits through the engine's
+    head match the NumPy forward as closely as a float32 head did."""
     spec = _write(tmp_path, Q.Q8_0, tied=True)
     cache = tmp_path / "cache"
     exact = import_gguf(spec.path, cache_dir=cache)
@@ -125,8 +129,19 @@ def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_float32(tmp_path):
     heads = [n for n in _model(level4).graph.node
              if n.op_type == "MatMulNBits" and n.input[1] == "embed.qweight"]
     assert [{a.name: a.i for a in h.attribute}["accuracy_level"] for h in heads] == [4]
-    inits = _initializers(_model(exact))
-    assert inits["embed"].dtype == np.float32 and "embed.qweight" not in inits
+    model = _model(exact)
+    inits = _initializers(model)
+    assert "embed" not in inits and "embed.qweight" in inits     # rows gathered from blocks
+    assert [o.name for o in model.graph.output][0] == "hidden"
+    assert {p.key: p.value for p in model.metadata_props} == {"pagedkv_np.lm_head":
+                                                              "lm_head.npz"}
+    assert not any(n.op_type == "MatMulNBits" and n.input[1] == "embed.qweight"
+                   for n in model.graph.node)
+    parts, softcap = read_head(exact / "lm_head.npz")
+    assert softcap == 0 and parts.bits == 8 and parts.block_size == 32
+    codes = parts.B.astype(np.float32) - 128     # Q8_0: zero point 128
+    values = (codes * parts.scales.reshape(codes.shape[0], -1, 1)).reshape(codes.shape[0], -1)
+    np.testing.assert_array_equal(values, spec.reference["embed"])
     tokens = np.random.default_rng(2).integers(0, spec.geometry.vocab_size, 20).tolist()
     want = reference_logits(spec.geometry, spec.reference, tokens)
     got = _all_logits(_session(exact), tokens)

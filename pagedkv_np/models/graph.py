@@ -55,6 +55,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 from ..errors import ConfigError
 from .builder import GraphBuilder, pack
+from .head_file import HIDDEN_OUTPUT, METADATA_KEY
 from .geometry import DecoderGeometry, Linear, check_weights, rope_tables, weight_names
 from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
@@ -289,13 +290,16 @@ def _gqa_layers(layers: _Layers, x: str) -> str:
     return x if out is None else g.op("Add", [x, out])
 
 
-def _lm_head(layers: _Layers, x: str) -> None:
+def _lm_head(layers: _Layers, x: str, with_head: bool) -> None:
     g, c, w = layers.g, layers.c, layers.w
     # the head's last rows, 0: all. A plain input, not an initializer with a default
     # (onnxruntime warned of that at every load), named as onnxruntime-genai feeds it
     x = g.op("Slice", [x, g.op("Neg", ["num_logits_to_keep"]),
                        g.const(np.array([2 ** 62], np.int64)), g.const(np.array([1], np.int64))])
     h = layers.norm(x, "final_norm")
+    if not with_head:          # the engine multiplies by the head (models.head_file)
+        g.op("Identity", [h], outputs=[HIDDEN_OUTPUT])
+        return
     out = g.name("raw_logits") if c.final_softcap else "logits"
     if not c.tie_word_embeddings:
         g.linear(h, w["lm_head"], "lm_head", out=out, accuracy_level=layers.head_accuracy_level)
@@ -323,7 +327,8 @@ def _tied_head(layers: _Layers, h: str, out: str) -> None:
 def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
                   family: str = "gqa", position_ids: bool = True, accuracy_level: int = 0,
                   head_accuracy_level: int | None = None, name: str = "pagedkv_decoder",
-                  external_data: str | os.PathLike | None = None) -> onnx.ModelProto:
+                  external_data: str | os.PathLike | None = None,
+                  head_file: str | None = None) -> onnx.ModelProto:
     """Build the decoder as an ONNX model.
 
     Parameters
@@ -352,6 +357,13 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
         :mod:`pagedkv_np.models.onnx_data`): the model then holds only
         references to it, and must be saved in the same folder
         (:func:`save_decoder`). Without it the weights are inside the model.
+    head_file : str, optional
+        Leave the LM head (and the final soft-cap) out: the graph outputs
+        ``hidden`` (float32 [B, S, hidden], the final-normed states of the
+        kept positions) instead of ``logits``, and its metadata names this
+        file of the model's folder, which the caller writes
+        (:mod:`pagedkv_np.models.head_file`). The head's weights are then
+        not read here, except a tied embedding's, which the graph gathers.
 
     Returns
     -------
@@ -380,7 +392,7 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
     data = None if external_data is None else ExternalData(external_data)
     try:
         return _decoder_model(c, weights, family, position_ids, name,
-                              GraphBuilder(accuracy_level, data), head_accuracy_level)
+                              GraphBuilder(accuracy_level, data), head_accuracy_level, head_file)
     finally:
         if data is not None:
             data.close()
@@ -388,7 +400,7 @@ def build_decoder(geometry: DecoderGeometry, weights: dict[str, Linear], *,
 
 def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
                    position_ids: bool, name: str, g: GraphBuilder,
-                   head_accuracy_level: int | None) -> onnx.ModelProto:
+                   head_accuracy_level: int | None, head_file: str | None) -> onnx.ModelProto:
     layers = _Layers(g, c, weights, head_accuracy_level)
     embed = weights["embed"]
     x = (g.rows(embed, "input_ids", "embed") if isinstance(embed, BlockQuantized)
@@ -400,7 +412,7 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
         x = _optimum_layers(layers, x, "position_ids" if use_positions else None)
     else:
         x = _gqa_layers(layers, x)
-    _lm_head(layers, x)
+    _lm_head(layers, x, head_file is None)
 
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv_shape: list[str | int] = ["batch_size", c.num_kv_heads, "past_sequence_length",
@@ -421,7 +433,10 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
                for i, kind in order]
     inputs.append(helper.make_tensor_value_info("num_logits_to_keep", i64, [1]))
     outputs = [helper.make_tensor_value_info("logits", f32,
-                                             ["batch_size", "logits_length", c.vocab_size])]
+                                             ["batch_size", "logits_length", c.vocab_size])
+               if head_file is None else
+               helper.make_tensor_value_info(HIDDEN_OUTPUT, f32,
+                                             ["batch_size", "logits_length", c.hidden_size])]
     outputs += [helper.make_tensor_value_info(f"present.{i}.{kind}", f32, present_shape)
                 for i, kind in order]
     graph = helper.make_graph(g.nodes, name, inputs, outputs, g.initializers)
@@ -430,6 +445,8 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="pagedkv_np")
     model.ir_version = 8
+    if head_file is not None:
+        helper.set_model_props(model, {METADATA_KEY: head_file})
     return model
 
 

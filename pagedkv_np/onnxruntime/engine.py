@@ -43,13 +43,14 @@ from any thread; ``step``, ``generate`` and ``abort`` are serialised by a lock.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import os
 import threading
 from typing import Any
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, DTypeError, PagedKVError
+from ..errors import ConfigError, DTypeError, PagedKVError, UnsupportedModelError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
 from ..quant import resolve_quant
@@ -58,6 +59,7 @@ from ..threads import thread_budget
 from ..tiers.manager import flat_stats
 from .batching import Batcher
 from .chunking import ChunkBudget
+from .head import BlockHead
 from .limits import RequestLimits
 from .model_io import discover, graph_facts
 from .request_api import RequestAPI
@@ -78,6 +80,21 @@ def _model_name(model: Any, model_folder: Any) -> str:
     if isinstance(model, str) or hasattr(model, "__fspath__"):
         return os.path.basename(os.fspath(model))
     return f"<{type(model).__name__}>"
+
+
+def _engine_head(source: Any, head_file: str, threads: int | None) -> BlockHead:
+    """The head a graph's metadata names, beside its file, compiled now."""
+    if not isinstance(source, str):
+        raise UnsupportedModelError(
+            f"the model names an LM head file {head_file!r} of its folder: load it from "
+            "its path (or OrtDecoder.from_pretrained(folder)), not from bytes")
+    if os.path.basename(head_file) != head_file:
+        raise UnsupportedModelError(f"the model names an LM head file {head_file!r} outside "
+                                    "its folder")
+    head = BlockHead(os.path.join(os.path.dirname(os.path.abspath(source)), head_file),
+                     threads)
+    head.warmup()
+    return head
 
 
 class RequestNotFound(PagedKVError, KeyError):
@@ -202,6 +219,10 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         self.session = make_session(source, options, providers)
         self.io = discover(self.session.get_inputs(), self.session.get_outputs(), facts,
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        head = None
+        if facts.head_file is not None:
+            head = _engine_head(source, facts.head_file, self.threads.threads)
+            self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]
         self.max_positions: int | None = min(limits) if limits else None
@@ -231,9 +252,9 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
              "num_prefill_chunks", "num_decode_steps",
              "num_generated_tokens", "num_preemptions", "num_regathers",
              "num_failed_requests", "num_batch_failures"), 0)
-        self._batcher = Batcher(self.cache, make_runner(self.session, io), self.max_batch_size,
-                                self.write_interval, self.max_positions, self._counters,
-                                chunks)
+        self._batcher = Batcher(self.cache, make_runner(self.session, io, head),
+                                self.max_batch_size, self.write_interval, self.max_positions,
+                                self._counters, chunks)
 
     def __repr__(self) -> str:
         cache = self.cache

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import UnsupportedModelError
 from ..checks import check_positive_int, shown
+from ..models.head_file import HIDDEN_OUTPUT, METADATA_KEY
 
 try:
     import onnxruntime as ort  # noqa: F401 - fail early with the extra to install
@@ -77,6 +78,9 @@ class ModelIO:
     logits_dtype : numpy dtype
     past_keys, past_values, present_keys, present_values : tuple of str
         Names by layer.
+    logits : str
+        The output the runners read: ``"logits"``, or ``"hidden"`` for a
+        graph whose LM head the engine runs (:mod:`pagedkv_np.onnxruntime.head`).
     """
 
     family: str
@@ -108,6 +112,9 @@ class GraphFacts:
     has_gqa: bool
     max_positions: int | None
     op_types: frozenset
+    #: the LM head file a graph without one names in its metadata (see
+    #: :mod:`pagedkv_np.models.head_file`), relative to the model's folder
+    head_file: str | None = None
 
 
 # ops that pass a table through without changing its first axis' bound
@@ -162,7 +169,9 @@ def graph_facts(model: Any) -> GraphFacts:
     """
     graph = model.graph
     op_types = frozenset(node.op_type for node in graph.node)
-    return GraphFacts("GroupQueryAttention" in op_types, _position_rows(graph), op_types)
+    head = {p.key: p.value for p in model.metadata_props}.get(METADATA_KEY)
+    return GraphFacts("GroupQueryAttention" in op_types, _position_rows(graph), op_types,
+                      head)
 
 
 def _static_dim(shape: list, axis: int, name: str, what: str, override: int | None) -> int:
@@ -210,7 +219,10 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
             raise UnsupportedModelError(
                 f"the model has no {required!r} input (inputs: {sorted(ins)}); a decoder "
                 "needs input_ids, attention_mask and past_key_values.{i}.key|value")
-    if "logits" not in outs:
+    logits = "logits"
+    if facts is not None and facts.head_file is not None and HIDDEN_OUTPUT in outs:
+        logits = HIDDEN_OUTPUT        # the engine runs the head (runners: head=)
+    elif "logits" not in outs:
         raise UnsupportedModelError(f"the model has no 'logits' output (outputs: {sorted(outs)})")
 
     past: dict[tuple[int, str], Any] = {}
@@ -270,11 +282,13 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
                 f"input {name!r} has type {ins[name].type}; expected int64 or int32")
         return t
 
-    logits_dtype = _KV_DTYPES.get(outs["logits"].type)
+    logits_dtype = _KV_DTYPES.get(outs[logits].type)
     if logits_dtype is None:
         raise UnsupportedModelError(
-            f"output 'logits' has type {outs['logits'].type}; supported: {sorted(_KV_DTYPES)}")
-    vocab = list(outs["logits"].shape)[-1] if outs["logits"].shape else None
+            f"output {logits!r} has type {outs[logits].type}; supported: {sorted(_KV_DTYPES)}")
+    vocab = list(outs[logits].shape)[-1] if outs[logits].shape else None
+    if logits != "logits":
+        vocab = None        # the head's, which the engine sets
     return ModelIO(
         family=family,
         num_layers=num_layers,
@@ -291,4 +305,5 @@ def discover(inputs: list, outputs: list, facts: GraphFacts | None = None, *,
         past_values=tuple(past[i, "value"].name for i in range(num_layers)),
         present_keys=tuple(present[i, "key"] for i in range(num_layers)),
         present_values=tuple(present[i, "value"] for i in range(num_layers)),
+        logits=logits,
     )

@@ -22,7 +22,8 @@ import onnxruntime as ort
 from ..errors import ConfigError
 from .model_io import ModelIO
 
-__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "LOGITS_TO_KEEP"]
+__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "Head",
+           "LOGITS_TO_KEEP"]
 
 #: The input of graphs that compute logits for only their last ``n`` positions
 #: (0: every position), as onnxruntime-genai names (and feeds) it.
@@ -33,6 +34,8 @@ _OLD_LOGITS_TO_KEEP = "logits_to_keep"
 # gather(layer, out) -> (k, v): one layer's past K/V of the batch, [B, H, T, D]
 Gather = Callable[[int, "tuple[np.ndarray, np.ndarray] | None"],
                   "tuple[np.ndarray, np.ndarray]"]
+# head(rows [n, hidden]) -> logits [n, vocab] (pagedkv_np.onnxruntime.head.BlockHead)
+Head = Callable[[np.ndarray], np.ndarray]
 
 
 class Runner:
@@ -42,9 +45,10 @@ class Runner:
     feeds one token per sequence and keeps the grown past for the next one.
     """
 
-    def __init__(self, session: Any, io: ModelIO) -> None:
+    def __init__(self, session: Any, io: ModelIO, head: Head | None = None) -> None:
         self.session = session
         self.io = io
+        self.head = head
         self.capacity = 0
         self._outputs = [io.logits, *io.present_keys, *io.present_values]
         # a graph that can skip the logits of all but the last position
@@ -57,6 +61,11 @@ class Runner:
         self._last_logits = None if self._keep_name is None else np.ones(1, np.int64)
         self._prompt: Any = None          # what a prompt's next chunk continues from
         self._prompt_positions = 0
+
+    def _logits(self, rows: np.ndarray) -> np.ndarray:
+        """Logits [n, vocab] of the output's rows [n, width]: the rows
+        themselves, or the engine-side head's product of hidden states."""
+        return rows if self.head is None else self.head(rows)
 
     def _empty_past(self) -> np.ndarray:
         return np.zeros((1, self.io.num_kv_heads, 0, self.io.head_dim), dtype=self.io.dtype)
@@ -193,8 +202,8 @@ class Runner:
 class OptimumRunner(Runner):
     """present (past + new, concatenated by the model) is the next step's past."""
 
-    def __init__(self, session, io) -> None:
-        super().__init__(session, io)
+    def __init__(self, session, io, head=None) -> None:
+        super().__init__(session, io, head)
         self.reset()
 
     def reset(self) -> None:
@@ -218,7 +227,7 @@ class OptimumRunner(Runner):
         present = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
         kv = [(k[0, :, num_past:].transpose(1, 0, 2), v[0, :, num_past:].transpose(1, 0, 2))
               for k, v in present]
-        return outs[0][0, -1], kv, present
+        return self._logits(outs[0][0, -1:])[0], kv, present
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         # right padded with holes: sequence b holds positions [0, lens[b]); the
@@ -243,7 +252,7 @@ class OptimumRunner(Runner):
             feeds[io.past_values[layer]] = v
         outs = self.session.run(self._outputs, feeds)
         n = io.num_layers
-        logits = outs[0][:, -1]
+        logits = self._logits(outs[0][:, -1])
         self._past = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
         self._mask = mask
         return logits
@@ -256,14 +265,14 @@ class OptimumRunner(Runner):
 class GqaRunner(Runner):
     """Past and present share one preallocated buffer per layer (IOBinding)."""
 
-    def __init__(self, session, io) -> None:
-        super().__init__(session, io)
+    def __init__(self, session, io, head=None) -> None:
+        super().__init__(session, io, head)
         self.reset()
 
     def reset(self) -> None:
         self._bufs: list[tuple[np.ndarray, np.ndarray]] = []
         self._binding: Any = None   # an onnxruntime IOBinding (untyped) once a batch starts
-        self._logits: np.ndarray | None = None
+        self._out: np.ndarray | None = None
         self._inputs: tuple = ()
         self._next: np.ndarray | None = None
         self.capacity = 0
@@ -302,7 +311,7 @@ class GqaRunner(Runner):
         end = num_past + n
         kv = [(k[0, :, num_past:end].transpose(1, 0, 2), v[0, :, num_past:end].transpose(1, 0, 2))
               for k, v in bufs]
-        return logits[0, -1], kv, (bufs, binding)
+        return self._logits(logits[0, -1:])[0], kv, (bufs, binding)
 
     def start_batch(self, gather: Gather, lens: np.ndarray, capacity: int) -> None:
         io, b = self.io, lens.shape[0]
@@ -310,12 +319,12 @@ class GqaRunner(Runner):
         shape = (b, io.num_kv_heads, capacity, io.head_dim)
         binding = self.session.io_binding()
         # logits first: with an unknown vocabulary it is get_outputs()[0]
-        if io.vocab_size is not None:
-            self._logits = np.empty((b, 1, io.vocab_size), dtype=io.logits_dtype)
-            binding.bind_output(io.logits, "cpu", 0, self._logits.dtype, self._logits.shape,
-                                self._logits.ctypes.data)
+        if io.vocab_size is not None and self.head is None:
+            self._out = np.empty((b, 1, io.vocab_size), dtype=io.logits_dtype)
+            binding.bind_output(io.logits, "cpu", 0, self._out.dtype, self._out.shape,
+                                self._out.ctypes.data)
         else:
-            self._logits = None
+            self._out = None
             binding.bind_output(io.logits, "cpu")
         bufs = []
         for layer in range(io.num_layers):
@@ -348,10 +357,9 @@ class GqaRunner(Runner):
             inputs += (pos,)
         self._inputs = inputs   # keep the bound arrays alive through the run
         self.session.run_with_iobinding(binding)
-        logits = (self._logits if self._logits is not None
-                  else binding.get_outputs()[0].numpy())
+        out = self._out if self._out is not None else binding.get_outputs()[0].numpy()
         self._next = lens + 1
-        return logits[:, -1]
+        return self._logits(out[:, -1])
 
     def recent_kv(self, n: int) -> list[tuple[np.ndarray, np.ndarray]]:
         # sequence b's fed tokens sit at its positions: [next[b] - n, next[b])
@@ -372,6 +380,8 @@ def _rows_of(x: np.ndarray) -> np.ndarray:
     return _flat(x.transpose(0, 2, 1, 3))
 
 
-def make_runner(session: Any, io: ModelIO) -> Runner:
-    """The runner for ``io.family``."""
-    return GqaRunner(session, io) if io.family == "gqa" else OptimumRunner(session, io)
+def make_runner(session: Any, io: ModelIO, head: Head | None = None) -> Runner:
+    """The runner for ``io.family``; ``head`` turns the graph's ``hidden``
+    output into logits when the graph has no head of its own."""
+    return (GqaRunner(session, io, head) if io.family == "gqa"
+            else OptimumRunner(session, io, head))

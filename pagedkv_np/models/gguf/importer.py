@@ -112,6 +112,7 @@ from .options import (DEFAULT_HEAD_ACCURACY_LEVEL, DEFAULT_MAX_CONTEXT, FAMILIES
                       WEIGHT_MODES, ImportOptions)
 from .tokenizer import tokenizer_json
 from ..graph import build_decoder, save_decoder
+from ..head_file import HEAD_FILE, save_head
 from ...errors import UnsupportedModelError
 
 __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
@@ -272,19 +273,25 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     """Write the model folder's files into ``folder`` (an empty directory)."""
     f, arch, c, file_context = header.file, header.arch, header.geometry, header.file_context
     text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
+    engine_head = _engine_head(f, opts)
     graph_geometry, tensors = read_weights(
         f, arch, c, opts.weights, kept_blocks(opts.weights, opts.accuracy_level),
-        kept_blocks(opts.weights, opts.head_level))
+        kept_blocks(opts.weights, 4 if engine_head else opts.head_level))
     del f, header
     head = tensors.get("lm_head", tensors["embed"])      # 8-bit heads run at their own level
     eight_bit = isinstance(head, BlockQuantized) and head.spec.bits == 8
+    if engine_head:
+        assert isinstance(head, BlockQuantized)
+        save_head(folder / HEAD_FILE, head.matmul_nbits(), c.final_softcap)
+    del head
     # weights stream into model.onnx.data as the graph takes them: held once, not thrice
     model = build_decoder(graph_geometry, tensors, family=opts.family,
                           accuracy_level=opts.accuracy_level,
                           head_accuracy_level=(opts.head_level if eight_bit
                                                else opts.accuracy_level),
                           name=f"{arch}_{opts.weights}",
-                          external_data=folder / "model.onnx.data")
+                          external_data=folder / "model.onnx.data",
+                          head_file=HEAD_FILE if engine_head else None)
     del tensors
     save_decoder(model, folder)
     del model
@@ -294,6 +301,18 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     for name, value in text.items():
         if name != "tokenizer.json":
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def _engine_head(f: GGUFFile, opts: ImportOptions) -> bool:
+    """Whether the LM head stays in its blocks beside the graph, for the engine
+    to run exactly (:mod:`pagedkv_np.models.head_file`): a head of a 5-8-bit
+    block type in ``"q4"`` mode at head level 0, which the graph would
+    otherwise hold as float32."""
+    if opts.weights != "q4" or opts.head_level == 4:
+        return False
+    t = f.tensors.get("output.weight") or f.tensors.get("token_embd.weight")
+    return (t is not None and t.tensor_type in kept_blocks("q4", 4)
+            and t.tensor_type not in kept_blocks("q4", 0))
 
 
 def _write_atomically(path: str, header: _Header, target: Path, opts: ImportOptions,

@@ -1,0 +1,87 @@
+"""The LM head that a GGUF import left beside the graph, run by the engine.
+
+A graph whose metadata names a head file (:mod:`pagedkv_np.models.head_file`)
+outputs ``hidden`` states, not logits; :class:`BlockHead` turns the rows the
+engine needs (the last position of a prompt, one row per sequence in a
+decode step) into logits with
+:func:`~pagedkv_np.backends.block_gemv.block_matmul`, straight from the
+file's blocks: exact float32 activations, a fixed summation order per logit
+(so a row's logits do not depend on its batch), and a quarter of a float32
+head's bytes read per token for Q8_0.
+
+The head runs after onnxruntime's run returns, when its threads are idle,
+so it takes the same number of Numba threads (``threads``), set in the
+calling thread for the call and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import numpy as np
+
+from ..backends.block_gemv import BlockWeight, block_matmul
+from ..errors import ShapeError
+from ..models.head_file import read_head
+
+__all__ = ["BlockHead"]
+
+
+class BlockHead:
+    """Logits from hidden states through a head in blocks.
+
+    Parameters
+    ----------
+    path : str or path
+        The head file (:func:`~pagedkv_np.models.head_file.read_head`).
+    threads : int, optional
+        Numba threads for a call (default: leave the caller's).
+
+    Attributes
+    ----------
+    hidden_size, vocab_size : int
+    softcap : float
+        ``cap * tanh(logits / cap)`` after the product; 0: none.
+    """
+
+    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+        parts, self.softcap = read_head(path)
+        self.weight = BlockWeight.from_nbits(parts)
+        self.hidden_size = self.weight.in_features
+        self.vocab_size = self.weight.out_features
+        self.threads = threads
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        if self.threads is None:
+            yield
+            return
+        import numba
+
+        before = numba.get_num_threads()
+        want = min(self.threads, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        numba.set_num_threads(want)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(before)
+
+    def __call__(self, hidden: np.ndarray) -> np.ndarray:
+        """float32 ``[..., vocab_size]`` logits of ``hidden`` ``[..., hidden_size]``."""
+        if hidden.ndim < 1 or hidden.shape[-1] != self.hidden_size:
+            raise ShapeError(f"Invalid hidden states: expected [..., {self.hidden_size}], "
+                             f"got {hidden.shape}")
+        rows = np.ascontiguousarray(hidden.reshape(-1, self.hidden_size), dtype=np.float32)
+        with self._threads():
+            logits = block_matmul(rows, self.weight)
+        if self.softcap:
+            cap = np.float32(self.softcap)
+            np.tanh(logits / cap, out=logits)
+            logits *= cap
+        return logits.reshape(hidden.shape[:-1] + (self.vocab_size,))
+
+    def warmup(self) -> None:
+        """Compile the kernel now (seconds the first time, then from Numba's cache)."""
+        self(np.zeros((1, self.hidden_size), np.float32))
