@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# pytest-xdist: PYTEST_JOBS workers (2: the CI machines' cores; 0 runs in
+# this process). loadfile runs each test file whole, in order, on one worker:
+# module fixtures (a server, a model, a quick benchmark run) are built once,
+# and tests that share a server see it in the order they were written for.
+PYTEST_JOBS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_JOBS) --dist loadfile --durations=20
 
 # ruff (settings in pyproject.toml), mypy, and the marker that ships the
 # package's type information
