@@ -5,7 +5,7 @@ reused), so the figures are those of a first import: wall and CPU seconds,
 peak RSS (the child's ``ru_maxrss``) and the seconds of each phase:
 
     check       header, geometry and vocabulary size (importer._check)
-    text        the tokenizer and the JSON files (importer._text_files)
+    text        the tokenizer and the JSON files (importer.text_files)
     merges      of which: SentencePiece merges derived from scores (and written)
     weights     tensors read and converted (read_weights)
     graph       the ONNX graph, weights streamed to model.onnx.data (build_decoder)
@@ -55,7 +55,8 @@ def timed(module, name, phase):
             cpu_phases[phase] = cpu_phases.get(phase, 0.0) + time.process_time() - cpu
     setattr(module, name, wrapper)
 
-for name, phase in (("_check", "check"), ("_text_files", "text"), ("read_weights", "weights"),
+for name, phase in (("_check", "check"), ("_text_files", "text"), ("text_files", "text"),
+                    ("read_weights", "weights"),
                     ("build_decoder", "graph"), ("save_decoder", "save"),
                     ("file_digest", "digest")):
     timed(importer, name, phase)

@@ -39,9 +39,15 @@ In ``"q4"`` mode the embedding keeps its blocks too (any block type,
 gathered exactly by GatherBlockQuantized), and a tied LM head reads those
 same blocks with MatMulNBits: one copy (:mod:`pagedkv_np.models.builder`).
 An LM head of a 5-8-bit type (both real files' tied Q8_0 embeddings) runs at
-``head_accuracy_level`` (by default the import's ``accuracy_level``): 0 in
-float32 (exact; a tied head then reads the float embedding transposed), 4
-as 8-bit blocks with int8 activations: faster, but SmolLM2 then answers "What is the capital of
+``head_accuracy_level`` (by default the import's ``accuracy_level``): at 0
+it leaves the graph, kept in its blocks in ``lm_head.npz``
+(:mod:`pagedkv_np.models.head_file`), and the engine multiplies the graph's
+``hidden`` output by them with float32 activations, exactly
+(:mod:`pagedkv_np.onnxruntime.head`; onnxruntime 1.32's 8-bit MatMulNBits
+is fast only on int8 activations, and a float32 head reads four times the
+bytes); such a folder has no ``genai_config.json``, since onnxruntime-genai
+could not run it. At 4 the head is 8-bit MatMulNBits blocks in the graph,
+on int8 activations: faster, but SmolLM2 then answers "What is the capital of
 France?" with "L'Étoile, la Marseillaise, ..." instead of "The capital of
 France is Paris." (llama.cpp, whose Q8_0 head also takes 8-bit
 activations, answers Paris). Figures: the README's GGUF section.
@@ -99,7 +105,6 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from ...digests import file_digest
 from ...errors import ConfigError
@@ -110,7 +115,7 @@ from .reader import (ARCHITECTURES, SUPPORTED_TYPES, GGUFFile, GGUFFormatError, 
 from .blocks import BlockQuantized
 from .options import (DEFAULT_HEAD_ACCURACY_LEVEL, DEFAULT_MAX_CONTEXT, FAMILIES, FORMAT_VERSION,
                       WEIGHT_MODES, ImportOptions)
-from .tokenizer import tokenizer_json
+from .folder_files import text_files
 from ..graph import build_decoder, save_decoder
 from ..head_file import HEAD_FILE, save_head
 from ...errors import UnsupportedModelError
@@ -129,86 +134,6 @@ def cache_dir_default() -> Path:
         return Path(os.environ["PAGEDKV_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "pagedkv_np"
-
-
-def _text_files(f: GGUFFile, arch: str, c: DecoderGeometry, family: str, tied: bool
-                ) -> dict[str, Any]:
-    tokens = f.get("tokenizer.ggml.tokens", kind=list)
-    if tokens is None:
-        raise GGUFFormatError(f"{f.path!r}: metadata tokenizer.ggml.tokens is missing")
-    bos = f.get("tokenizer.ggml.bos_token_id")
-    eos = f.get("tokenizer.ggml.eos_token_id")
-    pad = f.get("tokenizer.ggml.padding_token_id", eos)
-    for what, tid in (("bos", bos), ("eos", eos), ("padding", pad)):
-        if tid is not None and not 0 <= tid < len(tokens):
-            raise GGUFFormatError(f"{f.path!r}: tokenizer.ggml.{what}_token_id {tid} is "
-                                  f"outside the {len(tokens)} tokens")
-    if len(tokens) > c.vocab_size:
-        raise GGUFFormatError(f"{f.path!r}: {len(tokens)} tokens but an embedding of "
-                              f"{c.vocab_size} rows")
-    add_bos = bool(f.get("tokenizer.ggml.add_bos_token", arch == "llama", kind=bool))
-    add_eos = bool(f.get("tokenizer.ggml.add_eos_token", False, kind=bool))
-    tokenizer = tokenizer_json(
-        model=f.get("tokenizer.ggml.model", "", kind=str),
-        pre=f.get("tokenizer.ggml.pre", "gpt-2", kind=str), tokens=tokens,
-        token_types=f.get("tokenizer.ggml.token_type", kind=list),
-        merges=f.get("tokenizer.ggml.merges", [], kind=list), bos_token_id=bos,
-        add_bos_token=add_bos, eos_token_id=eos, add_eos_token=add_eos,
-        scores=f.get("tokenizer.ggml.scores", kind=list),
-        unknown_token_id=f.get("tokenizer.ggml.unknown_token_id"),
-        add_space_prefix=f.get("tokenizer.ggml.add_space_prefix", kind=bool))
-    spec = ARCHITECTURES[arch]
-    token = lambda tid: None if tid is None else tokens[tid]  # noqa: E731
-    config = {
-        "architectures": [spec.hf_class], "model_type": spec.model_type,
-        "num_hidden_layers": c.num_layers,
-        "hidden_size": c.hidden_size, "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-        "intermediate_size": c.intermediate_size,
-        "hidden_act": "silu" if c.activation == "silu" else "gelu_pytorch_tanh",
-        "max_position_embeddings": c.max_positions, "vocab_size": c.vocab_size,
-        "rope_theta": c.rope_theta, "rms_norm_eps": c.rms_eps, "bos_token_id": bos,
-        "eos_token_id": eos, "tie_word_embeddings": tied, "torch_dtype": "float32",
-        "sliding_window": c.sliding_window or None,
-        "layer_types": [("sliding" if c.window(i) else "full") + "_attention"
-                        for i in range(c.num_layers)],
-        "query_pre_attn_scalar": c.query_scale ** -2,
-        "final_logit_softcapping": c.final_softcap or None,
-        "rope_scaling": ({"rope_type": "linear", "factor": c.rope_scale}
-                         if c.rope_scale != 1.0 else None)}
-    if c.local_rope:
-        config["rope_local_base_freq"] = c.rope_local_theta
-    tok_config = {"add_bos_token": add_bos, "add_eos_token": add_eos, "bos_token": token(bos),
-                  "eos_token": token(eos), "pad_token": token(pad),
-                  "chat_template": f.get("tokenizer.chat_template", kind=str),
-                  "model_max_length": c.max_positions, "clean_up_tokenization_spaces": False,
-                  "tokenizer_class": "PreTrainedTokenizerFast"}
-    decoder_io = {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                  "past_key_names": "past_key_values.%d.key",
-                  "past_value_names": "past_key_values.%d.value"}
-    if family == "optimum":
-        decoder_io["position_ids"] = "position_ids"
-    genai = {
-        "model": {
-            "bos_token_id": bos, "eos_token_id": eos, "pad_token_id": pad,
-            "context_length": c.max_positions, "vocab_size": c.vocab_size,
-            "type": spec.genai_type,
-            "decoder": {
-                "filename": "model.onnx", "session_options": {"provider_options": []},
-                "head_size": c.head_dim, "hidden_size": c.hidden_size,
-                "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-                "num_hidden_layers": c.num_layers, "inputs": decoder_io,
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"}}},
-        "search": {"do_sample": False, "early_stopping": True, "length_penalty": 1.0,
-                   "max_length": c.max_positions, "min_length": 0, "no_repeat_ngram_size": 0,
-                   "num_beams": 1, "num_return_sequences": 1,
-                   "past_present_share_buffer": family == "gqa", "repetition_penalty": 1.0,
-                   "temperature": 1.0, "top_k": 1, "top_p": 1.0}}
-    return {"tokenizer.json": tokenizer, "config.json": config,
-            "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos,
-                                       "pad_token_id": pad},
-            "tokenizer_config.json": tok_config, "genai_config.json": genai}
 
 
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.")
@@ -272,7 +197,7 @@ def _check(path: str, opts: ImportOptions) -> _Header:
 def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict) -> None:
     """Write the model folder's files into ``folder`` (an empty directory)."""
     f, arch, c, file_context = header.file, header.arch, header.geometry, header.file_context
-    text = _text_files(f, arch, c, opts.family, c.tie_word_embeddings)
+    text = text_files(f, arch, c, opts.family, c.tie_word_embeddings)
     engine_head = _engine_head(f, opts)
     graph_geometry, tensors = read_weights(
         f, arch, c, opts.weights, kept_blocks(opts.weights, opts.accuracy_level),
@@ -298,6 +223,8 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     (folder / "tokenizer.json").write_text(text["tokenizer.json"], encoding="utf-8")
     text["config.json"]["pagedkv_np"] = dict(provenance, max_context=c.max_positions,
                                              file_context_length=file_context)
+    if engine_head:     # onnxruntime-genai could not run a graph without its head
+        del text["genai_config.json"]
     for name, value in text.items():
         if name != "tokenizer.json":
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
@@ -389,7 +316,8 @@ def import_gguf(path: str | os.PathLike, *, weights: str = "q4", family: str = "
     head_accuracy_level : {0, 4}, optional
         In ``"q4"`` mode, the level of an LM head of a 5-8-bit type (Q8_0,
         Q6_K, ...: both real files' tied embeddings; None, the default:
-        ``accuracy_level``): at 0 in float32, exact; at 4 as 8-bit blocks with
+        ``accuracy_level``): at 0 kept in its blocks beside the graph and run
+        by the engine, exact; at 4 as 8-bit blocks in the graph with
         int8 activations (faster, inexact: see the module docstring). A 4-bit
         head runs at ``accuracy_level``.
 
@@ -440,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-accuracy-level", type=int, choices=(0, 4),
                         default=DEFAULT_HEAD_ACCURACY_LEVEL,
                         help="q4 mode: the LM head's (default: --accuracy-level's; 0: an "
-                             "8-bit head in float32, exact; 4: int8 activations, faster, "
+                             "8-bit head in blocks run by the engine, exact; 4: int8 "
+                             "activations, faster, "
                              "inexact)")
     parser.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
                         help="positions to serve (default %(default)s, or the file's "

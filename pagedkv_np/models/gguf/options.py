@@ -21,8 +21,9 @@ FAMILIES = ("gqa", "optimum")
 #: bump when the folder's contents for the same file change (5: num_logits_to_keep
 #: a plain input, the embedding and a tied head kept in blocks; 6: the head's
 #: default level 0, so that no folder of 5 named as the default is served; 7: packed
-#: Q/K/V and gate/up weights, one-node RMSNorms)
-FORMAT_VERSION = 7
+#: Q/K/V and gate/up weights, one-node RMSNorms; 8: a 5-8-bit head in lm_head.npz,
+#: run by the engine)
+FORMAT_VERSION = 8
 #: positions served (and RoPE table rows) unless ``max_context`` says otherwise
 DEFAULT_MAX_CONTEXT = 8192
 #: the LM head's MatMulNBits accuracy level unless told (see import_gguf):
