@@ -5,7 +5,8 @@ default; ``--gguf FILE`` for another, e.g. Gemma 3 270M Q4_K_M), in the
 ``"q4"`` mode at ``accuracy_level=0``:
 
 ``numerics``  for ``head_accuracy_level`` 4 (an 8-bit head on int8
-              activations) and 0 (float32): max |logit - NumPy forward|
+              activations) and 0 (the blocks run by the engine on float32
+              activations, lm_head.npz): max |logit - NumPy forward|
               (``tests/numpy_decoder.py``, an independent forward of the
               file) over every position of a few prompts, whether the
               argmax agrees at every position, how many greedy tokens
@@ -134,7 +135,7 @@ def speed(args: argparse.Namespace) -> None:
               f"{statistics.median(cpu[way]):.0f} CPU ms/token")
 
 
-def _all_logits(session, ids: list[list[int]]) -> np.ndarray:
+def _all_logits(session, ids: list[list[int]], head=None) -> np.ndarray:
     """Logits [B, S, vocab] of equal-length rows run whole, no past."""
     b, n = len(ids), len(ids[0])
     feeds = {"input_ids": np.array(ids, np.int64), "attention_mask": np.ones((b, n), np.int64),
@@ -142,7 +143,9 @@ def _all_logits(session, ids: list[list[int]]) -> np.ndarray:
     for arg in session.get_inputs():
         if arg.name.startswith("past_key_values."):
             feeds[arg.name] = np.zeros((b, arg.shape[1], 0, arg.shape[3]), np.float32)
-    return session.run(["logits"], feeds)[0]
+    if head is None:
+        return session.run(["logits"], feeds)[0]
+    return head(session.run(["hidden"], feeds)[0])    # the engine's head (lm_head.npz)
 
 
 def numerics(args: argparse.Namespace) -> None:
@@ -153,6 +156,7 @@ def numerics(args: argparse.Namespace) -> None:
 
     from pagedkv_np.models.gguf.importer import import_gguf
     from pagedkv_np.onnxruntime import OrtDecoder
+    from pagedkv_np.onnxruntime.head import BlockHead
 
     ref = GGUFDecoder(args.gguf)
     for level in (4, 0):
@@ -162,10 +166,12 @@ def numerics(args: argparse.Namespace) -> None:
         session = ort.InferenceSession(str(folder / "model.onnx"), so,
                                        providers=["CPUExecutionProvider"])
         dec = OrtDecoder.from_pretrained(str(folder), threads=args.threads)
+        head = (BlockHead(folder / "lm_head.npz", args.threads)
+                if (folder / "lm_head.npz").is_file() else None)
         worst, agree, greedy = 0.0, True, []
         for text in PROMPTS:
             ids = dec.text.encode(text)
-            got, want = _all_logits(session, [ids])[0], ref.logits(ids)
+            got, want = _all_logits(session, [ids], head)[0], ref.logits(ids)
             worst = max(worst, float(np.abs(got - want).max()))
             agree &= bool((got.argmax(-1) == want.argmax(-1)).all())
             out = dec.generate([ids], max_new_tokens=args.tokens, eos_token_id=[])[0]
@@ -178,8 +184,8 @@ def numerics(args: argparse.Namespace) -> None:
             greedy.append(same)
         rng = np.random.default_rng(0)
         rows = rng.integers(0, len(dec.text.encode("x")) + 1000, (8, 6)).tolist()
-        batch = _all_logits(session, rows)
-        alone = np.stack([_all_logits(session, [r])[0] for r in rows])
+        batch = _all_logits(session, rows, head)
+        alone = np.stack([_all_logits(session, [r], head)[0] for r in rows])
         print(f"head_accuracy_level {level}: max |logit - numpy| {worst:.4f}, argmax agrees "
               f"at every position: {agree}, greedy tokens equal to numpy's before the first "
               f"difference: {greedy} of {args.tokens}, rows bitwise equal alone and in a "
