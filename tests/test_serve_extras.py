@@ -155,6 +155,23 @@ def test_tokenize_messages_with_tools_renders_as_chat(server, dec):
                      400, param="add_generation_prompt")
 
 
+@pytest.mark.parametrize("messages, param", [
+    ("hello", "messages"), ([], "messages"), ([5], "messages[0]"),
+    ([{"content": "hi"}], "messages[0].role"), ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": 7}], "messages[0].content"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     "messages[0].content[0]"),
+])
+def test_tokenize_refuses_malformed_messages_by_name(server, messages, param):
+    """/tokenize reads ``messages`` as chat does: each malformed shape is a 400
+    naming the field, and the server answers the next request as before."""
+    with server.http() as http:
+        assert_error(http.post("/tokenize", json={"messages": messages}), 400, param=param)
+        good = http.post("/tokenize", json={"messages": ASK})
+        assert good.status_code == 200 and good.json()["count"] > 0
+
+
 # ------------------------------------------------- logprobs cut by a stop string
 def starts(dec: OrtDecoder, tokens: list[int]) -> list[int]:
     """Where each token's text begins in the decode of ``tokens`` (a token
