@@ -45,6 +45,7 @@ from ..layout import SUPPORTED_DTYPES, OutputLayout, StoreLayout, check_array, r
 from ..checks import check_index
 from .array_checks import (SCALE_DTYPE, STORE_DTYPES, check_kv_store, check_quant_store,
                            gather_outputs)
+from ..memory import LAZY_MIN_BYTES, lazy_zeros
 from .checks import (CACHE_LINE, aligned_array, check_page_pairs, check_page_table,
                      check_slot_mapping)
 from .prepared import PreparedIndices
@@ -53,6 +54,10 @@ __all__ = ["Backend", "PreparedIndices", "INDEX_DTYPE", "CACHE_LINE", "aligned_a
            "check_slot_mapping", "check_page_table", "check_page_pairs"]
 
 INDEX_DTYPE = np.dtype(np.int32)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: Any) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 class Backend:
@@ -68,13 +73,18 @@ class Backend:
 
     # ----------------------------------------------------------- array helpers
     def zeros(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
-        """A zero-filled array of this backend, starting on a cache line."""
+        """A zero-filled array of this backend, starting on a cache line; a
+        large one's memory is committed as it is written (:mod:`pagedkv_np.memory`)."""
+        if _nbytes(shape, dtype) >= LAZY_MIN_BYTES:
+            return lazy_zeros(shape, dtype)     # page aligned
         return aligned_array(np.zeros, shape, dtype)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> Any:
         """An uninitialised array of this backend (``_gather`` writes every
         element of its outputs, data or zero, so it needs no zero fill),
         starting on a cache line."""
+        if _nbytes(shape, dtype) >= LAZY_MIN_BYTES:
+            return lazy_zeros(shape, dtype)
         return aligned_array(np.empty, shape, dtype)
 
     def asarray(self, x: Any) -> Any:

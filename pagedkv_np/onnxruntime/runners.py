@@ -20,6 +20,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError
+from ..memory import lazy_zeros
 from .model_io import ModelIO
 
 __all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "Head",
@@ -291,7 +292,7 @@ class GqaRunner(Runner):
             binding.bind_output(io.logits, "cpu")     # first: get_outputs()[0]
             bufs = []
             for layer in range(io.num_layers):
-                k, v = np.empty(shape, io.dtype), np.empty(shape, io.dtype)
+                k, v = lazy_zeros(shape, io.dtype), lazy_zeros(shape, io.dtype)
                 if past is not None:
                     past(layer, (k, v))
                 for arr, src, dst in ((k, io.past_keys[layer], io.present_keys[layer]),
@@ -328,7 +329,7 @@ class GqaRunner(Runner):
             binding.bind_output(io.logits, "cpu")
         bufs = []
         for layer in range(io.num_layers):
-            k, v = np.empty(shape, io.dtype), np.empty(shape, io.dtype)
+            k, v = lazy_zeros(shape, io.dtype), lazy_zeros(shape, io.dtype)
             gather(layer, (k, v))   # zero past each length: the op reads only seqlens_k
             for arr, src, dst in ((k, io.past_keys[layer], io.present_keys[layer]),
                                   (v, io.past_values[layer], io.present_values[layer])):
