@@ -12,6 +12,15 @@ through :func:`memo` and hand the same objects back on every later
 ``setup``; classes whose calls change state rebuild it in ``setup`` and set
 ``number = 1``.
 
+Smoke runs: asv's ``--quick`` makes each ``time_*`` benchmark one call,
+but the suite's own measurements (:func:`best_times`, the ``track_*``
+figures) cannot see it. ``.ci/bench_smoke.sh`` therefore also sets
+``PAGEDKV_ASV_QUICK=1`` (:data:`QUICK_ENV`; ``.ci/run`` sets it for that
+script), and under it every such
+measurement takes one sample, with no warm-up: the run checks that each
+benchmark runs, its figures mean nothing. Without the variable every
+benchmark measures as before.
+
 Beside the suite, ``pagedkv bench`` (``pagedkv_np/bench/``) prints the
 standard cases on one machine, and ``scripts/bench_*.py`` run what is too
 long for a commit-by-commit suite or needs a peer runtime (see
@@ -22,6 +31,7 @@ suite does not import.
 from __future__ import annotations
 
 import abc
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -33,7 +43,33 @@ BACKENDS = ["numpy", "numba", "cupy"]
 DTYPES = ["float32", "float16"]
 PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM = 16, 8, 128
 
+QUICK_ENV = "PAGEDKV_ASV_QUICK"
+
 _memo: dict[Any, Any] = {}
+
+
+def quick() -> bool:
+    """Whether this is a smoke run: :data:`QUICK_ENV` set to anything but
+    ``""`` or ``"0"`` (``.ci/run`` sets it for ``.ci/bench_smoke.sh``, which
+    runs ``asv run --quick``)."""
+    return os.environ.get(QUICK_ENV, "") not in ("", "0")
+
+
+def _preimport_numba() -> None:
+    """Import Numba and the Numba backend in the process asv forks every
+    benchmark process from (``"launch_method": "forkserver"``): each fork
+    would otherwise import them again, 1-2 s of a 2-core machine per
+    process. No kernel runs, so Numba's threads do not start before the
+    fork."""
+    from pagedkv_np import BackendUnavailable, get_backend
+
+    try:
+        get_backend("numba")
+    except BackendUnavailable:
+        pass
+
+
+_preimport_numba()
 
 
 def memo(key: Any, build: Callable[[], Any]) -> Any:
@@ -81,10 +117,15 @@ def with_sync(backend, fn: Callable[[], Any]) -> Callable[[], Any]:
 def best_times(fns: list[Callable[[], Any]], repeat: int = 3,
                min_time: float = 0.02) -> list[float]:
     """Best seconds per call of each function, samples interleaved so that
-    an operation and its baseline see the same machine load."""
+    an operation and its baseline see the same machine load. In a smoke run
+    (:func:`quick`), one call of each, not warmed up."""
+    smoke = quick()
+    if smoke:
+        repeat, min_time = 1, 0.0
     numbers, best = [], []
     for fn in fns:
-        fn()  # warm-up
+        if not smoke:
+            fn()  # warm-up
         number = 1
         while True:
             start = time.perf_counter()
@@ -153,7 +194,8 @@ def bandwidth(run: Callable[[], Any], nbytes: int, backend=None) -> tuple[float,
 
 class MoveCase(abc.ABC):
     """A data move, built once per process and warmed up (JIT compilation
-    and first-touch page faults stay out of the timings), timed by the
+    and first-touch page faults stay out of the timings; not in a smoke
+    run, see :func:`quick`), timed by the
     subclass's ``time_*`` method and compared with a plain copy of the same
     bytes (``track_ratio_to_copy``).
 
@@ -177,7 +219,8 @@ class MoveCase(abc.ABC):
 
         def build_and_warm_up():
             case = self.build(backend, *params)
-            case[0]()
+            if not quick():
+                case[0]()
             return case
 
         key = (type(self).__name__, backend_name) + params

@@ -15,6 +15,10 @@ timed by ``pagedkv_np.bench.timing``; this suite keeps its own timing
 (:func:`interleaved_step_times`). ``scripts/bench_peers.py`` compares with
 onnxruntime-genai on a real model. Skipped when onnxruntime or onnx is not
 installed.
+
+Both families' models are built once per asv run, by the module's
+:func:`setup_cache` (seconds each), and handed to every benchmark process:
+asv times each benchmark and parameter combination in a fresh process.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import memo
+from . import memo, quick
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, VOCAB = 512, 4, 8, 2, 1024
 CONTEXT, PROMPT, PAGE = 512, 1024, 16
+FAMILIES = ["optimum", "gqa"]
 
 
 def _onnx():
@@ -49,6 +54,25 @@ def model_bytes(family: str, hidden: int = HIDDEN, layers: int = LAYERS, heads: 
     config = DecoderConfig(vocab_size=vocab, hidden_size=hidden, num_layers=layers,
                            num_heads=heads, num_kv_heads=kv_heads)
     return build_model(config, family=family).SerializeToString(), config
+
+
+def setup_cache():
+    """``{family: (serialized model, DecoderConfig)}`` for every benchmark of
+    this module (asv passes it as the first argument), or ``{"skip":
+    reason}`` when onnxruntime or onnx is missing: a failing setup_cache
+    would count as failed benchmarks, not skipped ones."""
+    try:
+        return {family: model_bytes(family) for family in FAMILIES}
+    except NotImplementedError as exc:
+        return {"skip": str(exc)}
+
+
+def cached_model(models: dict, family: str):
+    """``models[family]``; ``NotImplementedError`` (asv: skipped) when
+    :func:`setup_cache` found no onnxruntime or onnx."""
+    if "skip" in models:
+        raise NotImplementedError(models["skip"])
+    return models[family]
 
 
 def session_options(threads: int = 1):
@@ -185,14 +209,14 @@ def interleaved_step_times(fns: list[Callable[[], None]], num_steps: int):
 class DecodeStep:
     """A decode step of a batch with 512 tokens of context each."""
 
-    params = [["optimum", "gqa"], [1, 8]]
+    params = [FAMILIES, [1, 8]]
     param_names = ["family", "batch"]
     timeout = 300
     _STEPS = 400   # the most steps one process times; each adds a token
 
-    def setup(self, family, batch):
+    def setup(self, models, family, batch):
         def build():
-            model, config = model_bytes(family)
+            model, config = cached_model(models, family)
             prompts = np.random.default_rng(0).integers(0, VOCAB, (batch, CONTEXT))
             plain = PlainLoop(model, family, config, prompts, CONTEXT + self._STEPS + 1)
             return plain, steady_engine(model, prompts, self._STEPS)
@@ -201,16 +225,17 @@ class DecodeStep:
         # asv times a benchmark in a process of its own, a few dozen steps
         assert self.plain.step_index < self._STEPS - 40, "more steps than the buffers hold"
 
-    def time_plain_step(self, family, batch):
+    def time_plain_step(self, models, family, batch):
         self.plain.step()
 
-    def time_engine_step(self, family, batch):
+    def time_engine_step(self, models, family, batch):
         self.engine.step()
 
-    def track_overhead(self, family, batch):
+    def track_overhead(self, models, family, batch):
         """Extra wall time of an engine step over a plain step, percent
-        (medians of 24 steps each, interleaved)."""
-        plain, engine = interleaved_step_times([self.plain.step, self.engine.step], 24)
+        (medians of 24 steps each, interleaved; 2 in a smoke run)."""
+        num_steps = 2 if quick() else 24
+        plain, engine = interleaved_step_times([self.plain.step, self.engine.step], num_steps)
         p, e = (statistics.median(w for w, _ in t) for t in (plain, engine))
         return 100.0 * (e / p - 1.0)
 
@@ -236,13 +261,13 @@ def first_token_seconds(dec: Any, prompt: list[int]) -> float:
 class TimeToFirstToken:
     """A 1024-token prompt, its first 90% (whole pages) cached or not."""
 
-    params = [["optimum", "gqa"]]
+    params = [FAMILIES]
     param_names = ["family"]
     timeout = 300
 
-    def setup(self, family):
+    def setup(self, models, family):
         OrtDecoder = _onnx()[1]
-        model, config = model_bytes(family)
+        model, config = cached_model(models, family)
         rng = np.random.default_rng(1)
         self.cached = -(-int(0.9 * PROMPT) // PAGE) * PAGE
         self.shared = rng.integers(0, VOCAB, self.cached).tolist()
@@ -259,10 +284,11 @@ class TimeToFirstToken:
     def _prompt(self) -> list[int]:
         return self.shared + self.rng.integers(0, VOCAB, PROMPT - self.cached).tolist()
 
-    def track_speedup(self, family):
-        """Uncached over cached time to first token (medians of 3)."""
+    def track_speedup(self, models, family):
+        """Uncached over cached time to first token (medians of 3; one in a
+        smoke run)."""
         hot, cold = [], []
-        for _ in range(3):
+        for _ in range(1 if quick() else 3):
             prompt = self._prompt()
             hits = self.warm.stats["prefix_hit_tokens"]
             hot.append(first_token_seconds(self.warm, prompt))
