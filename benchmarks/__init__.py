@@ -152,11 +152,20 @@ def _page_offset_array(nbytes: int, offset: int) -> np.ndarray:
     return buf[start:start + nbytes]
 
 
+def copy_half_bytes(nbytes: int) -> int:
+    """Bytes a plain copy for a move of ``nbytes`` reads (and writes): half
+    of them; at most 64 MiB in a smoke run (:func:`quick`), which would
+    otherwise fill two half-GiB buffers in each process of a 32x2048 int8
+    move."""
+    half = max(nbytes // 2, 64)
+    return min(half, 64 << 20) if quick() else half
+
+
 def copy_fns(nbytes: int, backend=None) -> list[Callable[[], None]]:
     """Plain copies that read ``nbytes / 2`` and write ``nbytes / 2``: one
     and two host threads (NumPy releases the GIL while copying), or one
     device copy for a device backend."""
-    half = max(nbytes // 2, 64)
+    half = copy_half_bytes(nbytes)
     if backend is not None and not is_host(backend):
         src, dst = backend.zeros((half,), np.uint8), backend.zeros((half,), np.uint8)
 
@@ -188,7 +197,7 @@ def bandwidth(run: Callable[[], Any], nbytes: int, backend=None) -> tuple[float,
     both counting bytes read plus bytes written, measured side by side."""
     copies = copy_fns(nbytes, backend)
     times = best_times([run] + copies)
-    copied = 2 * max(nbytes // 2, 64)
+    copied = 2 * copy_half_bytes(nbytes)
     return nbytes / times[0] / 1e9, copied / min(times[1:]) / 1e9
 
 
