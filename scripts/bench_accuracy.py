@@ -149,6 +149,8 @@ class WindowScorer:
         self.session = ort.InferenceSession(str(folder / "model.onnx"), so,
                                             providers=["CPUExecutionProvider"])
         self.inputs = {i.name: i for i in self.session.get_inputs()}
+        from pagedkv_np.onnxruntime.head import folder_head
+        self.head = folder_head(folder, threads)      # a head the engine runs, if any
 
     def logits(self, window: np.ndarray) -> np.ndarray:
         """shape [len(window), vocab], float32."""
@@ -162,7 +164,9 @@ class WindowScorer:
                 feed[name] = np.arange(len(window), dtype=np.int64)[None]
             elif name in ("num_logits_to_keep", "logits_to_keep"):     # 0: every position
                 feed[name] = np.zeros(1, np.int64)
-        return self.session.run(["logits"], feed)[0][0]
+        if self.head is None:
+            return self.session.run(["logits"], feed)[0][0]
+        return self.head(self.session.run(["hidden"], feed)[0][0])
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

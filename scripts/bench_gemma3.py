@@ -55,7 +55,7 @@ def _import(path: str, level: int, cache: str) -> tuple[Path, float, float]:
     return Path(out.strip().splitlines()[-1]), seconds, max(rss, before) / 1024
 
 
-def _recompute(session, prompt: list[int], n: int) -> list[int]:
+def _recompute(session, prompt: list[int], n: int, head=None) -> list[int]:
     seq = list(prompt)
     for _ in range(n):
         feeds = {"input_ids": np.array([seq]), "attention_mask": np.ones((1, len(seq)),
@@ -65,7 +65,10 @@ def _recompute(session, prompt: list[int], n: int) -> list[int]:
                 feeds[arg.name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
             elif arg.name == "num_logits_to_keep":   # 0: every position
                 feeds[arg.name] = np.zeros(1, np.int64)
-        seq.append(int(session.run(["logits"], feeds)[0][0, -1].argmax()))
+        if head is None:
+            seq.append(int(session.run(["logits"], feeds)[0][0, -1].argmax()))
+        else:          # the folder's head runs in the engine (lm_head.npz)
+            seq.append(int(head(session.run(["hidden"], feeds)[0][0, -1:])[0].argmax()))
     return seq[len(prompt):]
 
 
@@ -103,7 +106,8 @@ def main() -> int:
             tokens, rate, cpu_ms = _decode(folder, prompt, args.tokens)
             session = ort.InferenceSession(str(folder / "model.onnx"),
                                            providers=["CPUExecutionProvider"])
-            want = _recompute(session, prompt, args.check)
+            from pagedkv_np.onnxruntime.head import folder_head
+            want = _recompute(session, prompt, args.check, folder_head(folder))
             equal = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b),
                          len(want))
             name = "q4" if level == 0 else "q4 acc4"

@@ -87,6 +87,9 @@ class PlainLoop:
         self.session = ort.InferenceSession(str(folder / "model.onnx"),
                                             sess_options=options,
                                             providers=["CPUExecutionProvider"])
+        from pagedkv_np.onnxruntime.head import folder_head
+        self.head = folder_head(folder, options.intra_op_num_threads or None)
+        self.output = "logits" if self.head is None else "hidden"   # the engine's head
         config = json.loads((folder / "config.json").read_text())
         self.layers = config["num_hidden_layers"]
         self.kv_heads = config["num_key_value_heads"]
@@ -98,7 +101,7 @@ class PlainLoop:
         ort, sess, n = self.ort, self.session, len(prompt)
         capacity = n + max_new_tokens
         binding = sess.io_binding()
-        binding.bind_output("logits", "cpu")   # first, so that it is output 0
+        binding.bind_output(self.output, "cpu")   # first, so that it is output 0
         bufs = []
         for i in range(self.layers):
             for kind in ("key", "value"):
@@ -116,10 +119,10 @@ class PlainLoop:
         while True:
             binding.bind_cpu_input("input_ids", ids)
             binding.bind_cpu_input("attention_mask", np.ones((1, total), np.int64))
-            binding.bind_output("logits", "cpu")   # a fresh array of this step's shape
+            binding.bind_output(self.output, "cpu")   # a fresh array of this step's shape
             sess.run_with_iobinding(binding)
-            logits = binding.get_outputs()[0].numpy()
-            token = int(logits[0, -1].argmax())
+            last = binding.get_outputs()[0].numpy()[0, -1:]
+            token = int((last if self.head is None else self.head(last))[0].argmax())
             out.append(token)
             on_token()
             if token in self.eos or len(out) >= max_new_tokens:

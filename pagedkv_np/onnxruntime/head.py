@@ -24,9 +24,9 @@ import numpy as np
 
 from ..backends.block_gemv import BlockWeight, block_matmul
 from ..errors import ShapeError
-from ..models.head_file import read_head
+from ..models.head_file import HEAD_FILE, read_head
 
-__all__ = ["BlockHead"]
+__all__ = ["BlockHead", "folder_head"]
 
 
 class BlockHead:
@@ -85,3 +85,11 @@ class BlockHead:
     def warmup(self) -> None:
         """Compile the kernel now (seconds the first time, then from Numba's cache)."""
         self(np.zeros((1, self.hidden_size), np.float32))
+
+
+def folder_head(folder: str | os.PathLike, threads: int | None = None) -> BlockHead | None:
+    """The head of a model folder whose graph leaves it to the engine (its
+    ``lm_head.npz``), or None when the graph computes ``logits`` itself: for
+    scripts that run a folder's graph without the engine."""
+    path = os.path.join(os.fspath(folder), HEAD_FILE)
+    return BlockHead(path, threads) if os.path.isfile(path) else None
