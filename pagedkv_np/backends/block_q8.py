@@ -1,0 +1,362 @@
+"""Products of int8-quantized activations with a weight in quantized blocks.
+
+:func:`q8_matmul` computes ``x @ w`` like
+:func:`~pagedkv_np.backends.block_gemv.block_matmul` (``x`` float32 ``[M, K]``,
+``w`` a :class:`~pagedkv_np.backends.block_gemv.BlockWeight`: codes, zero
+points, scales, optional offsets, ``w[k, n] = (code - zero) * scale +
+offset``), but first rounds each row's inputs to int8 per weight block, so the
+block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, as llama.cpp
+does for q8 activations x q4 weights). It is for decoding (M = 1): faster than
+the float32 kernel and than onnxruntime's MatMulNBits with int8 activations
+(``accuracy_level=4``), and unlike the latter deterministic: row ``m``'s
+outputs depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count
+or the tile the row lands in.
+
+Activation quantization (:func:`q8_quantize_row`), per row and per block ``b``
+of ``block_size`` inputs (the weight's), all float32:
+
+* ``d_b = amax_b / 127`` with ``amax_b = max |x_i|`` over the block;
+* ``q_i = rint(x_i / d_b)`` (IEEE division, then round half to even: NumPy's
+  ``np.rint(x / d)``), as int8 in -127..127; a block with ``d_b == 0`` (all
+  zeros) or a non-finite ``d_b`` or quotient gets ``q_i = 0`` (non-finite
+  input gives non-finite outputs: ``d_b`` carries it);
+* ``s_b``: the block's float32 inputs summed in order (the offset term uses
+  the exact sum, not ``d_b * sum q``, as block_matmul does);
+* the quantized row is stored in *position order*: 4 bits, the block's even
+  inputs then its odd ones (the low then the high nibbles of the codes); 8
+  bits, as they come.
+
+The product, per output ``(m, n)``, float32 with one rounding per operation
+(no fused multiply-add):
+
+* per block ``b`` in order: ``P[l]``, the exact integer sum of ``(code -
+  zero) * q`` over the block positions of lane ``l`` (4 bits, block 32: lane
+  ``l`` holds positions ``4l .. 4l + 3``; block 16: ``2l, 2l + 1``; 8 bits,
+  block 32: ``2l, 2l + 1, 16 + 2l, 17 + 2l``), then ``sd = scale_nb * d_mb``
+  and, for each of 8 lanes, ``acc[l] = acc[l] + sd * float(P[l])``; with
+  offsets, on a separate chain, ``off = off + offset_nb * s_mb``;
+* ``total``: the 8 lanes summed as a fixed tree (``lane[i] += lane[i +
+  width]``, width 4, 2, 1), plus ``off`` when the weight has offsets.
+
+The difference from the float64 product of ``x`` and the dequantized weight
+is the rounding of ``x`` (at most about ``d_b / 2`` per input, so at most
+``sum_b (d_b / 2) sum_i |scale_b (code_i - zero_b)|`` per output) plus a few
+float32 roundings of ``sum |w| |x|``.
+
+Numba-callable pieces, for a jitted caller (plain arrays and ints; they
+validate nothing, :func:`q8_matmul` does)::
+
+    q8_quantize_row(x, bits, block_size, q, d, sums)
+        x     float32 [K], C-contiguous        (K a multiple of block_size)
+        q     int8    [K]                      written, position order
+        d     float32 [K // block_size]        written
+        sums  float32 [K // block_size]        written
+    q8_quantize(x, bits, block_size, q, d, sums)
+        the same for every row: x float32 [M, K], q int8 [M, K],
+        d and sums float32 [M, K // block_size]
+    q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
+            chunks, out)                       parallel over outputs
+        q, d, sums     from q8_quantize (C-contiguous)
+        codes, zeros, scales               a BlockWeight's arrays
+        offsets        float32 [N, K // block_size], or float32 [N, 0]
+                       for a weight without offsets
+        chunks         int in 1 .. N: outputs split into this many chunks,
+                       handed to threads one at a time
+        out            float32 [M, N], C-contiguous, written
+    q8_gemm_portable(...)   the same arguments and bits, plain Numba loops
+
+``q8_gemm`` runs the AVX2 kernel (:mod:`.block_q8_ir`) when the host has
+AVX2 (:data:`HAS_AVX2`), else ``q8_gemm_portable``: the integer part is
+exact, the float part the same operations, so both give the same bits.
+Rows go in tiles of 4, then 2, then 1, sharing each block's unpacked codes;
+each row's arithmetic is the same in every tile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from llvmlite import binding as llvm_binding
+from numba import prange
+
+from .block_gemv import BlockWeight
+from .block_q8_ir import q8_dot_intrinsic
+from .jit import jit_kernel
+from ..errors import DTypeError, ShapeError
+
+__all__ = ["HAS_AVX2", "q8_matmul", "q8_quantize_row", "q8_quantize", "q8_gemm",
+           "q8_gemm_portable"]
+
+#: whether the host CPU has AVX2 (then :func:`q8_gemm` runs the LLVM IR kernel)
+HAS_AVX2 = llvm_binding.get_host_cpu_features().get("avx2", False)
+
+# as block_matmul: 16 chunks per thread, handed out one at a time, so that a
+# thread that loses its core on a busy machine holds back one small chunk
+_CHUNKS_PER_THREAD = 16
+
+
+def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """``x @ w`` with ``x`` rounded to int8 per weight block (see the module docstring).
+
+    Parameters
+    ----------
+    x : ndarray, shape [M, K], float32
+        Activations, one row per token (``M`` may be 0).
+    weight : BlockWeight or NBits
+        The weight; prepare it once with :meth:`BlockWeight.from_nbits` when
+        it is used more than once.
+    out : ndarray, shape [M, N], float32, C-contiguous, optional
+        Where to write the product.
+
+    Returns
+    -------
+    ndarray, shape [M, N], float32
+        ``out`` when given. Row ``m`` depends on ``x[m]`` only, bit for bit.
+
+    Raises
+    ------
+    DTypeError
+        ``x`` or ``out`` is not float32.
+    ShapeError
+        ``x`` is not 2-D with ``K`` columns, or ``out`` is not a writeable
+        C-contiguous ``[M, N]`` array.
+    """
+    w = weight if isinstance(weight, BlockWeight) else BlockWeight.from_nbits(weight)
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise DTypeError(f"Invalid x: expected a float32 array, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ShapeError(f"Invalid x: expected shape [M, {w.in_features}], got {x.shape}")
+    m, n = x.shape[0], w.out_features
+    if out is None:
+        out = np.empty((m, n), np.float32)
+    elif not isinstance(out, np.ndarray) or out.dtype != np.float32:
+        raise DTypeError(f"Invalid out: expected a float32 array, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)}")
+    elif out.shape != (m, n) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ShapeError(f"Invalid out: expected a writeable C-contiguous ({m}, {n}) array, "
+                         f"got {out.shape}")
+    if m == 0:
+        return out
+    x = np.ascontiguousarray(x)
+    num_blocks = w.in_features // w.block_size
+    q = np.empty((m, w.in_features), np.int8)
+    d = np.empty((m, num_blocks), np.float32)
+    sums = np.empty((m, num_blocks), np.float32)
+    q8_quantize(x, w.bits, w.block_size, q, d, sums)
+    offsets = w.offsets if w.offsets is not None else np.zeros((n, 0), np.float32)
+    chunks = min(n, numba.get_num_threads() * _CHUNKS_PER_THREAD)
+    before = numba.set_parallel_chunksize(1)
+    try:
+        q8_gemm(q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size,
+                chunks, out)
+    finally:
+        numba.set_parallel_chunksize(before)
+    return out
+
+
+@jit_kernel(error_model="numpy")
+def q8_quantize_row(x, bits, block_size, q, d, sums):
+    """One row's int8 values, scales and block sums (see the module docstring)."""
+    half = block_size // 2
+    for b in range(x.shape[0] // block_size):
+        base = b * block_size
+        amax = np.float32(0.0)
+        total = np.float32(0.0)
+        for i in range(block_size):
+            v = x[base + i]
+            total += v
+            a = abs(v)
+            if not a <= amax:            # NaN propagates to d
+                amax = a
+        db = amax / np.float32(127.0)
+        d[b] = db
+        sums[b] = total
+        usable = db > 0 and db < np.inf
+        for i in range(block_size):
+            pos = i // 2 + (i % 2) * half if bits == 4 else i
+            value = np.int8(0)
+            if usable:
+                r = np.rint(x[base + i] / db)
+                if r >= -127 and r <= 127:
+                    value = np.int8(r)
+            q[base + pos] = value
+
+
+@jit_kernel
+def q8_quantize(x, bits, block_size, q, d, sums):
+    """:func:`q8_quantize_row` for every row of ``x``."""
+    for m in range(x.shape[0]):
+        q8_quantize_row(x[m], bits, block_size, q[m], d[m], sums[m])
+
+
+def _variants(num_rows):
+    return [q8_dot_intrinsic(bits, bs, num_rows, off)
+            for bits in (4, 8) for bs in (16, 32) for off in (False, True)]
+
+
+# (bits, block_size, offsets) in the order _variants makes them
+_f4_16, _f4_16o, _f4_32, _f4_32o, _f8_16, _f8_16o, _f8_32, _f8_32o = _variants(4)
+_t4_16, _t4_16o, _t4_32, _t4_32o, _t8_16, _t8_16o, _t8_32, _t8_32o = _variants(2)
+_o4_16, _o4_16o, _o4_32, _o4_32o, _o8_16, _o8_16o, _o8_32, _o8_32o = _variants(1)
+
+
+@jit_kernel
+def _four(c, z, s, o, q, d, u, n, m, bits, block_size):
+    """Output ``n`` of 4 rows from ``m`` on (``c, z, s, o``: the weight's codes,
+    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+    if o.shape[1] != 0:
+        if bits == 4 and block_size == 32:
+            return _f4_32o(c, z, s, o, q, d, u, n, m)
+        if bits == 4:
+            return _f4_16o(c, z, s, o, q, d, u, n, m)
+        if block_size == 32:
+            return _f8_32o(c, z, s, o, q, d, u, n, m)
+        return _f8_16o(c, z, s, o, q, d, u, n, m)
+    if bits == 4 and block_size == 32:
+        return _f4_32(c, z, s, o, q, d, u, n, m)
+    if bits == 4:
+        return _f4_16(c, z, s, o, q, d, u, n, m)
+    if block_size == 32:
+        return _f8_32(c, z, s, o, q, d, u, n, m)
+    return _f8_16(c, z, s, o, q, d, u, n, m)
+
+
+@jit_kernel
+def _two(c, z, s, o, q, d, u, n, m, bits, block_size):
+    """Output ``n`` of 2 rows from ``m`` on (``c, z, s, o``: the weight's codes,
+    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+    if o.shape[1] != 0:
+        if bits == 4 and block_size == 32:
+            return _t4_32o(c, z, s, o, q, d, u, n, m)
+        if bits == 4:
+            return _t4_16o(c, z, s, o, q, d, u, n, m)
+        if block_size == 32:
+            return _t8_32o(c, z, s, o, q, d, u, n, m)
+        return _t8_16o(c, z, s, o, q, d, u, n, m)
+    if bits == 4 and block_size == 32:
+        return _t4_32(c, z, s, o, q, d, u, n, m)
+    if bits == 4:
+        return _t4_16(c, z, s, o, q, d, u, n, m)
+    if block_size == 32:
+        return _t8_32(c, z, s, o, q, d, u, n, m)
+    return _t8_16(c, z, s, o, q, d, u, n, m)
+
+
+@jit_kernel
+def _one(c, z, s, o, q, d, u, n, m, bits, block_size):
+    """Output ``n`` of 1 row from ``m`` on (``c, z, s, o``: the weight's codes,
+    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+    if o.shape[1] != 0:
+        if bits == 4 and block_size == 32:
+            return _o4_32o(c, z, s, o, q, d, u, n, m)
+        if bits == 4:
+            return _o4_16o(c, z, s, o, q, d, u, n, m)
+        if block_size == 32:
+            return _o8_32o(c, z, s, o, q, d, u, n, m)
+        return _o8_16o(c, z, s, o, q, d, u, n, m)
+    if bits == 4 and block_size == 32:
+        return _o4_32(c, z, s, o, q, d, u, n, m)
+    if bits == 4:
+        return _o4_16(c, z, s, o, q, d, u, n, m)
+    if block_size == 32:
+        return _o8_32(c, z, s, o, q, d, u, n, m)
+    return _o8_16(c, z, s, o, q, d, u, n, m)
+
+
+@jit_kernel
+def _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
+    """Outputs ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
+    num_rows = q.shape[0]
+    fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
+    for n in range(lo, hi):
+        for m in range(0, fours, 4):
+            t0, t1, t2, t3 = _four(codes, zeros, scales, offsets, q, d, sums, n, m, bits,
+                                   block_size)
+            out[m, n] = t0
+            out[m + 1, n] = t1
+            out[m + 2, n] = t2
+            out[m + 3, n] = t3
+        if twos > fours:
+            t0, t1 = _two(codes, zeros, scales, offsets, q, d, sums, n, fours, bits,
+                          block_size)
+            out[fours, n] = t0
+            out[fours + 1, n] = t1
+        if num_rows > twos:
+            out[twos, n] = _one(codes, zeros, scales, offsets, q, d, sums, n, twos, bits,
+                                block_size)[0]
+
+
+@jit_kernel
+def _lane(bits, block_size, pos):
+    """The accumulator lane of a block position (see the module docstring)."""
+    if block_size == 16:
+        return pos // 2
+    if bits == 4:
+        return pos // 4
+    return (pos // 2) % 8
+
+
+@jit_kernel
+def _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+                    out):
+    """:func:`_chunk_avx2`'s outputs, the same operations in plain loops."""
+    num_blocks = scales.shape[1]
+    half = block_size // 2
+    with_offsets = offsets.shape[1] != 0
+    lanes = np.empty(8, np.int64)
+    acc = np.empty(8, np.float32)
+    for n in range(lo, hi):
+        for m in range(q.shape[0]):
+            acc[:] = 0
+            off = np.float32(0.0)
+            for b in range(num_blocks):
+                lanes[:] = 0
+                zero = np.int64(zeros[n, b])
+                for pos in range(block_size):
+                    if bits == 4:
+                        byte = np.int64(codes[n, b * half + pos % half])
+                        code = byte & 15 if pos < half else byte >> 4
+                    else:
+                        code = np.int64(codes[n, b * block_size + pos])
+                    lanes[_lane(bits, block_size, pos)] += \
+                        (code - zero) * np.int64(q[m, b * block_size + pos])
+                sd = scales[n, b] * d[m, b]
+                for lane in range(8):
+                    acc[lane] = acc[lane] + sd * np.float32(lanes[lane])
+                if with_offsets:
+                    off = off + offsets[n, b] * sums[m, b]
+            width = 4
+            while width:
+                for i in range(width):
+                    acc[i] = acc[i] + acc[i + width]
+                width //= 2
+            out[m, n] = acc[0] + off if with_offsets else acc[0]
+
+
+@jit_kernel(parallel=True)
+def q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+    """Every output of the quantized rows (see the module docstring); the AVX2
+    kernel where the host has it."""
+    n_total = codes.shape[0]
+    for c in prange(chunks):
+        lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
+        if HAS_AVX2:
+            _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+                        out)
+        else:
+            _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
+                            lo, hi, out)
+
+
+@jit_kernel(parallel=True)
+def q8_gemm_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
+                     out):
+    """:func:`q8_gemm` in plain Numba loops: the same bits, on any CPU."""
+    n_total = codes.shape[0]
+    for c in prange(chunks):
+        lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
+        _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+                        out)

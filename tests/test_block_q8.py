@@ -1,0 +1,250 @@
+"""q8_matmul: int8 activations against a weight in quantized blocks follow the
+documented order bit for bit (a NumPy emulation written from the module
+docstring), alone or in any batch, on 1 or 2 threads, on the AVX2 kernel and
+the portable loops alike; stay within the documented bound of a float64
+product; bad input raises a typed error before anything is written."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_q8 import (HAS_AVX2, q8_gemm, q8_gemm_portable, q8_matmul,
+                                          q8_quantize)
+from pagedkv_np.errors import DTypeError, ShapeError
+
+
+def _weight(rng, bits: int, block_size: int, k: int, n: int, zero, offsets: bool
+            ) -> BlockWeight:
+    """Random codes; ``zero`` an int for every block or ``"mixed"``."""
+    nb = k // block_size
+    top = (1 << bits) - 1
+    codes = rng.integers(0, 256, (n, k * bits // 8), dtype=np.uint8)
+    if zero == "mixed":
+        zeros = rng.integers(0, top + 1, (n, nb), dtype=np.uint8)
+    else:
+        zeros = np.full((n, nb), zero, np.uint8)
+    scales = (rng.random((n, nb), np.float32) * 0.02 + 1e-3).astype(np.float32)
+    offs = (rng.standard_normal((n, nb)).astype(np.float32) * 0.05) if offsets else None
+    return BlockWeight(bits, block_size, k, n, codes, zeros, scales, offs)
+
+
+def _quantize_ref(x: np.ndarray, bits: int, block_size: int):
+    """The module docstring's quantization, in NumPy: ``(q, d, sums)`` with ``q``
+    in natural input order (int64)."""
+    m, k = x.shape
+    xb = x.reshape(m, k // block_size, block_size)
+    amax = np.abs(xb).max(axis=2)
+    d = (amax / np.float32(127)).astype(np.float32)
+    sums = np.zeros(d.shape, np.float32)
+    for i in range(block_size):
+        sums = (sums + xb[:, :, i]).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r = np.rint(xb / d[..., None])
+    usable = (d > 0) & np.isfinite(d)
+    ok = usable[..., None] & (r >= -127) & (r <= 127)
+    q = np.where(ok, r, 0).astype(np.int64)
+    return q, d, sums
+
+
+def _codes_ref(w: BlockWeight) -> np.ndarray:
+    """``[N, blocks, block_size]`` int64 codes in natural input order."""
+    n, nb, bs = w.out_features, w.in_features // w.block_size, w.block_size
+    if w.bits == 8:
+        return w.codes.reshape(n, nb, bs).astype(np.int64)
+    packed = w.codes.reshape(n, nb, bs // 2).astype(np.int64)
+    codes = np.empty((n, nb, bs), np.int64)
+    codes[..., 0::2] = packed & 15
+    codes[..., 1::2] = packed >> 4
+    return codes
+
+
+def _lanes_ref(bits: int, block_size: int) -> np.ndarray:
+    """The lane of each natural input of a block (docstring's position order and
+    lane map)."""
+    i = np.arange(block_size)
+    pos = i // 2 + (i % 2) * (block_size // 2) if bits == 4 else i
+    if block_size == 16:
+        return pos // 2
+    return pos // 4 if bits == 4 else (pos // 2) % 8
+
+
+def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
+    """The documented float32 order, one operation per step."""
+    q, d, sums = _quantize_ref(x, w.bits, w.block_size)
+    prod = (_codes_ref(w) - w.zeros[..., None].astype(np.int64))[None] * q[:, None]
+    lane = _lanes_ref(w.bits, w.block_size)
+    p = np.zeros(prod.shape[:3] + (8,), np.int64)          # [M, N, blocks, 8]
+    for i in range(w.block_size):
+        p[..., lane[i]] += prod[..., i]
+    acc = np.zeros((x.shape[0], w.out_features, 8), np.float32)
+    off = np.zeros((x.shape[0], w.out_features), np.float32)
+    for b in range(d.shape[1]):
+        sd = (w.scales[None, :, b] * d[:, None, b]).astype(np.float32)
+        acc = (acc + (sd[..., None] * p[:, :, b].astype(np.float32))).astype(np.float32)
+        if w.offsets is not None:
+            off = (off + w.offsets[None, :, b] * sums[:, None, b]).astype(np.float32)
+    for width in (4, 2, 1):
+        acc[..., :width] = acc[..., :width] + acc[..., width:2 * width]
+    return acc[..., 0] + off if w.offsets is not None else acc[..., 0]
+
+
+def _quantized(x: np.ndarray, w: BlockWeight):
+    nb = w.in_features // w.block_size
+    q = np.empty(x.shape, np.int8)
+    d = np.empty((x.shape[0], nb), np.float32)
+    sums = np.empty((x.shape[0], nb), np.float32)
+    q8_quantize(x, w.bits, w.block_size, q, d, sums)
+    return q, d, sums
+
+
+CASES = [(bits, bs, zero, off)
+         for bits, zeros in ((4, (0, 8, "mixed")), (8, (128, 0, "mixed")))
+         for bs in (16, 32) for zero in zeros for off in (False, True)]
+
+
+@pytest.mark.parametrize("bits,block_size,zero,offsets", CASES)
+@pytest.mark.parametrize("k", [32, 96, 576])
+def test_follows_the_documented_order_bitwise(bits, block_size, zero, offsets, k):
+    rng = np.random.default_rng(k * 7 + bits)
+    w = _weight(rng, bits, block_size, k, 37, zero, offsets)
+    for m in (1, 3, 4, 5, 9):
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[0, :block_size] = 0                     # a block of zeros: d = 0, q = 0
+        np.testing.assert_array_equal(q8_matmul(x, w), _emulate(x, w))
+
+
+def test_quantized_row_layout():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 5] = 2.5 * (np.abs(x[1, :32]).max() / 127)     # ties round to even
+    for bits in (4, 8):
+        for bs in (16, 32):
+            q, d, sums = _quantized(x, BlockWeight(bits, bs, 64, 1, np.zeros(
+                (1, 64 * bits // 8), np.uint8), np.zeros((1, 64 // bs), np.uint8),
+                np.ones((1, 64 // bs), np.float32), None))
+            want, want_d, want_sums = _quantize_ref(x, bits, bs)
+            order = np.arange(bs).reshape(-1, 2).T.ravel() if bits == 4 else np.arange(bs)
+            got = q.reshape(3, -1, bs)[..., np.argsort(order)]
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(d, want_d)
+            np.testing.assert_array_equal(sums, want_sums)
+            assert np.abs(q).max() == 127
+
+
+@pytest.mark.parametrize("bits,block_size,zero,offsets", CASES[::3])
+def test_matches_float64_within_the_documented_bound(bits, block_size, zero, offsets):
+    rng = np.random.default_rng(5)
+    k, n = 192, 29
+    w = _weight(rng, bits, block_size, k, n, zero, offsets)
+    x = (rng.standard_normal((5, k)) * np.exp(rng.standard_normal((5, k)))).astype(np.float32)
+    core = (_codes_ref(w) - w.zeros[..., None]) * w.scales[..., None].astype(np.float64)
+    dense = core + (0 if w.offsets is None else w.offsets[..., None])
+    dense = dense.reshape(n, k)
+    want = x.astype(np.float64) @ dense.T
+    _, d, _ = _quantize_ref(x, bits, block_size)
+    # rounding x: at most d_b / 2 per input (plus its own float32 roundings)
+    bound = 0.5001 * np.einsum("mb,nb->mn", d.astype(np.float64),
+                               np.abs(core).sum(axis=2))
+    bound += 1e-5 * (np.abs(x).astype(np.float64) @ np.abs(dense).T)
+    err = np.abs(q8_matmul(x, w) - want)
+    assert np.all(err <= bound)
+
+
+@pytest.mark.parametrize("bits,block_size,offsets", [(4, 32, True), (4, 32, False),
+                                                     (4, 16, True), (8, 32, False),
+                                                     (8, 16, True)])
+def test_rows_are_independent_of_the_batch_and_threads(bits, block_size, offsets):
+    rng = np.random.default_rng(2)
+    w = _weight(rng, bits, block_size, 160, 53, "mixed", offsets)
+    x = rng.standard_normal((11, 160)).astype(np.float32)
+    batch = q8_matmul(x, w)
+    for m in range(11):
+        np.testing.assert_array_equal(q8_matmul(x[m:m + 1], w)[0], batch[m])
+    for size in (2, 3, 5):
+        np.testing.assert_array_equal(q8_matmul(x[3:3 + size], w), batch[3:3 + size])
+    before = numba.get_num_threads()
+    try:
+        for threads in (1, 2):
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            np.testing.assert_array_equal(q8_matmul(x, w), batch)
+    finally:
+        numba.set_num_threads(before)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 kernel needs an AVX2 host")
+@pytest.mark.parametrize("bits,block_size,zero,offsets", CASES)
+def test_avx2_and_portable_agree_bitwise(bits, block_size, zero, offsets):
+    rng = np.random.default_rng(3)
+    w = _weight(rng, bits, block_size, 128, 41, zero, offsets)
+    x = rng.standard_normal((7, 128)).astype(np.float32)
+    q, d, sums = _quantized(x, w)
+    offs = w.offsets if w.offsets is not None else np.zeros((41, 0), np.float32)
+    fast, slow = np.empty((7, 41), np.float32), np.empty((7, 41), np.float32)
+    for chunks in (1, 5, 41):
+        q8_gemm(q, d, sums, w.codes, w.zeros, w.scales, offs, bits, block_size, chunks, fast)
+        q8_gemm_portable(q, d, sums, w.codes, w.zeros, w.scales, offs, bits, block_size,
+                         chunks, slow)
+        np.testing.assert_array_equal(fast, slow)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), blocks=st.integers(1, 6),
+       bits=st.sampled_from([4, 8]), block_size=st.sampled_from([16, 32]),
+       offsets=st.booleans(), scale=st.sampled_from([1e-6, 1.0, 1e4]))
+def test_random_shapes_and_magnitudes_follow_the_order(seed, m, blocks, bits, block_size,
+                                                       offsets, scale):
+    rng = np.random.default_rng(seed)
+    k = blocks * block_size
+    w = _weight(rng, bits, block_size, k, 9, "mixed", offsets)
+    x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    x[rng.random((m, k)) < 0.1] = 0
+    np.testing.assert_array_equal(q8_matmul(x, w), _emulate(x, w))
+
+
+def test_non_finite_input_gives_non_finite_outputs_of_its_row_only():
+    rng = np.random.default_rng(4)
+    w = _weight(rng, 4, 32, 64, 5, 8, True)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 3] = np.nan
+    x[2, 40] = np.inf
+    got = q8_matmul(x, w)
+    assert np.isfinite(got[0]).all() and not np.isfinite(got[1:]).any()
+    np.testing.assert_array_equal(got[0], q8_matmul(x[:1], w)[0])
+
+
+def test_empty_batch():
+    w = _weight(np.random.default_rng(0), 4, 32, 64, 5, 8, False)
+    assert q8_matmul(np.empty((0, 64), np.float32), w).shape == (0, 5)
+
+
+def test_bad_input_raises_typed_errors_and_writes_nothing():
+    w = _weight(np.random.default_rng(0), 4, 32, 64, 5, 8, True)
+    x = np.ones((2, 64), np.float32)
+    out = np.full((2, 5), 7, np.float32)
+    bad = [
+        (DTypeError, dict(x=x.astype(np.float64))),
+        (DTypeError, dict(x=x.tolist())),
+        (ShapeError, dict(x=np.ones((2, 32), np.float32))),
+        (ShapeError, dict(x=np.ones(64, np.float32))),
+        (DTypeError, dict(out=np.zeros((2, 5), np.float64))),
+        (ShapeError, dict(out=np.zeros((2, 6), np.float32))),
+        (ShapeError, dict(out=np.zeros((5, 2), np.float32).T)),
+    ]
+    for error, kwargs in bad:
+        args = dict(x=x, out=out) | kwargs
+        before = args["out"].copy()
+        with pytest.raises(error):
+            q8_matmul(args["x"], w, out=args["out"])
+        np.testing.assert_array_equal(args["out"], before)
+        np.testing.assert_array_equal(out, 7)
+    frozen = np.zeros((2, 5), np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ShapeError):
+        q8_matmul(x, w, out=frozen)
+    with pytest.raises(DTypeError):
+        q8_matmul(x, object())
