@@ -139,22 +139,28 @@ def _note_compiles() -> None:
 
 
 def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
-               error_model: Literal["python", "numpy"] = "python") -> Any:
+               error_model: Literal["python", "numpy"] = "python",
+               fastmath: Any = False) -> Any:
     """``numba.njit`` with this package's cache policy (see the module docstring).
 
     Use as ``@jit_kernel`` or ``@jit_kernel(parallel=True)``. ``error_model``
     is Numba's: ``"numpy"`` drops the zero-divisor check of every float
     division (for kernels that divide only by values they checked).
+    ``fastmath`` is Numba's too (a set of LLVM flags, e.g. ``{"reassoc"}`` to
+    let a reduction be vectorized: its order is then the compiler's, the same
+    on every call of one build).
     """
     if func is None:
-        return lambda f: jit_kernel(f, parallel=parallel, error_model=error_model)
+        return lambda f: jit_kernel(f, parallel=parallel, error_model=error_model,
+                                    fastmath=fastmath)
     import numba
     from numba.core import config
 
     _note_compiles()
     path = cache_dir()
     if path is None:
-        return numba.njit(cache=False, parallel=parallel, error_model=error_model)(func)
+        return numba.njit(cache=False, parallel=parallel, error_model=error_model,
+                          fastmath=fastmath)(func)
     # numba.config copies its options into its globals at run time (from the
     # environment), so mypy sees none of them: hence the ignores below.
     if config.BOUNDSCHECK:  # type: ignore[attr-defined]
@@ -163,6 +169,7 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
         saved = config.CACHE_DIR  # type: ignore[attr-defined]
         config.CACHE_DIR = path  # type: ignore[attr-defined]
         try:
-            return numba.njit(cache=True, parallel=parallel, error_model=error_model)(func)
+            return numba.njit(cache=True, parallel=parallel, error_model=error_model,
+                              fastmath=fastmath)(func)
         finally:
             config.CACHE_DIR = saved  # type: ignore[attr-defined]

@@ -41,6 +41,8 @@ Weight names (``x @ w`` convention, ``w`` is ``[in, out]``)::
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Union
 
@@ -50,8 +52,12 @@ from ..errors import ConfigError, DTypeError, ShapeError
 from ..checks import check_positive_int, is_int
 from .gguf.blocks import BlockQuantized
 
-__all__ = ["ACTIVATIONS", "DecoderGeometry", "Linear", "weight_names", "weight_shapes",
-           "check_weights", "rope_tables"]
+__all__ = ["ACTIVATIONS", "GEOMETRY_KEY", "DecoderGeometry", "Linear", "weight_names",
+           "weight_shapes", "check_weights", "rope_tables", "geometry_json", "geometry_from_json"]
+
+#: the metadata key under which a built decoder carries its geometry
+#: (:func:`geometry_json`), so that a runtime can compute its layers itself
+GEOMETRY_KEY = "pagedkv_np.geometry"
 
 #: the MLP gate's activation: SwiGLU's SiLU, GeGLU's tanh-approximated GELU
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -242,3 +248,33 @@ def rope_tables(c: DecoderGeometry, freq_factors: np.ndarray | None = None, *,
         inv_freq = inv_freq / np.asarray(freq_factors, dtype=np.float64)
     angles = np.arange(c.max_positions, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def geometry_json(c: DecoderGeometry) -> str:
+    """``c`` as a JSON object of its fields (read back by :func:`geometry_from_json`)."""
+    return json.dumps(dataclasses.asdict(c), sort_keys=True)
+
+
+def geometry_from_json(text: str) -> DecoderGeometry:
+    """The geometry a JSON object of :func:`geometry_json` describes.
+
+    Raises
+    ------
+    ConfigError
+        Not a JSON object of :class:`DecoderGeometry`'s fields, or values
+        that the geometry refuses.
+    """
+    try:
+        fields = json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"Invalid geometry: not JSON ({exc})") from None
+    known = {f.name for f in dataclasses.fields(DecoderGeometry)}
+    if not isinstance(fields, dict) or not set(fields) <= known:
+        extra = sorted(set(fields) - known) if isinstance(fields, dict) else fields
+        raise ConfigError(f"Invalid geometry: unknown fields {extra!r:.200}")
+    if isinstance(fields.get("global_layers"), list):
+        fields["global_layers"] = tuple(fields["global_layers"])
+    try:
+        return DecoderGeometry(**fields)
+    except (TypeError, ValueError) as exc:     # a field of the wrong type
+        raise ConfigError(f"Invalid geometry: {exc}") from None

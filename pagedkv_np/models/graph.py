@@ -59,14 +59,14 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from ..errors import ConfigError
 from .builder import GraphBuilder, pack
 from .head_file import HIDDEN_OUTPUT, METADATA_KEY
-from .geometry import DecoderGeometry, Linear, check_weights, rope_tables, weight_names
+from .geometry import (GEOMETRY_KEY, DecoderGeometry, Linear, check_weights, geometry_json,
+                       rope_tables, weight_names)
 from .gguf.blocks import BlockQuantized
 from .onnx_data import ExternalData, save_decoder
 from .reference import reference_logits
 
-__all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES",
-           "weight_names", "build_decoder", "build_linear", "reference_logits", "rope_tables",
-           "save_decoder"]
+__all__ = ["DecoderGeometry", "BlockQuantized", "Linear", "FAMILIES", "weight_names",
+           "build_decoder", "build_linear", "reference_logits", "rope_tables", "save_decoder"]
 
 FAMILIES = ("optimum", "gqa")
 _OPSET = 17
@@ -448,8 +448,8 @@ def _decoder_model(c: DecoderGeometry, weights: dict[str, Linear], family: str,
         opsets.append(helper.make_opsetid("com.microsoft", 1))
     model = helper.make_model(graph, opset_imports=opsets, producer_name="pagedkv_np")
     model.ir_version = 8
-    if head_file is not None:
-        helper.set_model_props(model, {METADATA_KEY: head_file})
+    helper.set_model_props(model, {GEOMETRY_KEY: geometry_json(c),   # for the engine's decode
+                                   **({} if head_file is None else {METADATA_KEY: head_file})})
     return model
 
 

@@ -53,6 +53,7 @@ from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError, UnsupportedModelError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
+from ..models.geometry import geometry_from_json
 from ..quant import resolve_quant
 from ..tiers.fingerprint import model_fingerprint, weights_digest
 from ..threads import thread_budget
@@ -62,6 +63,7 @@ from .chunking import ChunkBudget
 from .head import BlockHead
 from .limits import RequestLimits
 from .model_io import discover, graph_facts
+from .native import NativeDecode
 from .request_api import RequestAPI
 from .requests import Request, RequestStatus, StepEvents, check_request_id, parse_eos
 from .runners import Runner, make_runner
@@ -95,6 +97,29 @@ def _engine_head(source: Any, head_file: str, threads: int | None) -> BlockHead:
                      threads)
     head.warmup()
     return head
+
+
+def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, family: str,
+                   providers: list | None, threads: int | None) -> NativeDecode | None:
+    """The engine's own decode step where the graph allows it and ``wanted``
+    is not False; True where it cannot be is a ConfigError."""
+    if wanted is not None and not isinstance(wanted, bool):
+        raise DTypeError(f"Invalid native_decode: expected a bool or None, got {wanted!r}")
+    why = None
+    if facts.geometry is None:
+        why = "the graph carries no geometry (only graphs that pagedkv_np builds do)"
+    elif not facts.has_gqa or family not in ("auto", "gqa"):
+        why = "the graph is not of the gqa family"
+    elif providers and any(p != "CPUExecutionProvider" for p in providers):
+        why = "the session runs on another provider than the CPU's"
+    if wanted is False or (why is not None and wanted is None):
+        return None
+    if why is not None:
+        raise ConfigError(f"Invalid native_decode: {why}")
+    native = NativeDecode.from_source(source, proto, geometry_from_json(facts.geometry),
+                                      threads, with_head=facts.head_file is None)
+    native.warmup()
+    return native
 
 
 class RequestNotFound(PagedKVError, KeyError):
@@ -159,6 +184,12 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         given, for the kernels.
     providers : list, optional
         Default ``["CPUExecutionProvider"]``.
+    native_decode : bool, optional
+        Decode steps through the engine's own kernels
+        (:mod:`pagedkv_np.onnxruntime.native`) instead of the graph: needs a
+        graph built by :mod:`pagedkv_np.models.graph` (it carries its
+        geometry) of the ``"gqa"`` family on the CPU provider. Default: where
+        it can.
     text : TextCodec, optional
         The tokenizer and chat template for the text methods
         (:class:`~pagedkv_np.onnxruntime.textgen.TextGenerationMixin`).
@@ -199,7 +230,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                  providers: list | None = None, disk_cache: Any = None,
                  disk_cache_bytes: int | None = None, redis_url: str | None = None,
                  hash_secret: bytes | None = None, tier_options: dict | None = None,
-                 kv_dtype: Any = None, text: Any = None, model_folder: Any = None) -> None:
+                 kv_dtype: Any = None, native_decode: bool | None = None, text: Any = None,
+                 model_folder: Any = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
         chunks = ChunkBudget(prefill_chunk)
@@ -214,6 +246,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         facts = graph_facts(proto)
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
+        native = _native_decode(native_decode, source, proto, facts, family, providers,
+                                self.threads.threads)
         del proto
         options = self.threads.session_options(session_options)
         self.session = make_session(source, options, providers)
@@ -252,7 +286,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
              "num_prefill_chunks", "num_decode_steps",
              "num_generated_tokens", "num_preemptions", "num_regathers",
              "num_failed_requests", "num_batch_failures"), 0)
-        self._batcher = Batcher(self.cache, make_runner(self.session, io, head),
+        self._batcher = Batcher(self.cache, make_runner(self.session, io, head, native),
                                 self.max_batch_size, self.write_interval, self.max_positions,
                                 self._counters, chunks)
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import UnsupportedModelError
 from ..checks import check_positive_int, shown
+from ..models.geometry import GEOMETRY_KEY
 from ..models.head_file import HIDDEN_OUTPUT, METADATA_KEY
 
 try:
@@ -115,6 +116,9 @@ class GraphFacts:
     #: the LM head file a graph without one names in its metadata (see
     #: :mod:`pagedkv_np.models.head_file`), relative to the model's folder
     head_file: str | None = None
+    #: the JSON geometry a graph built by :mod:`pagedkv_np.models.graph` carries
+    #: (:func:`pagedkv_np.models.geometry.geometry_json`)
+    geometry: str | None = None
 
 
 # ops that pass a table through without changing its first axis' bound
@@ -169,9 +173,9 @@ def graph_facts(model: Any) -> GraphFacts:
     """
     graph = model.graph
     op_types = frozenset(node.op_type for node in graph.node)
-    head = {p.key: p.value for p in model.metadata_props}.get(METADATA_KEY)
+    props = {p.key: p.value for p in model.metadata_props}
     return GraphFacts("GroupQueryAttention" in op_types, _position_rows(graph), op_types,
-                      head)
+                      props.get(METADATA_KEY), props.get(GEOMETRY_KEY))
 
 
 def _static_dim(shape: list, axis: int, name: str, what: str, override: int | None) -> int:

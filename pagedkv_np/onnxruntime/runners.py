@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..memory import lazy_zeros
 from .model_io import ModelIO
 
-__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "Head",
+__all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "Head", "Step",
            "LOGITS_TO_KEEP"]
 
 #: The input of graphs that compute logits for only their last ``n`` positions
@@ -37,6 +37,8 @@ Gather = Callable[[int, "tuple[np.ndarray, np.ndarray] | None"],
                   "tuple[np.ndarray, np.ndarray]"]
 # head(rows [n, hidden]) -> logits [n, vocab] (pagedkv_np.onnxruntime.head.BlockHead)
 Head = Callable[[np.ndarray], np.ndarray]
+# step(tokens [B], lens [B], buffers) -> rows [B, width]: a decode step of its own
+Step = Callable[[np.ndarray, np.ndarray, "list[tuple[np.ndarray, np.ndarray]]"], np.ndarray]
 
 
 class Runner:
@@ -264,10 +266,18 @@ class OptimumRunner(Runner):
 
 
 class GqaRunner(Runner):
-    """Past and present share one preallocated buffer per layer (IOBinding)."""
+    """Past and present share one preallocated buffer per layer (IOBinding).
 
-    def __init__(self, session, io, head=None) -> None:
+    ``step``, when given, computes decode steps instead of the session:
+    ``step(tokens, lens, buffers)`` writes each new token's K/V into the
+    per-layer ``buffers`` at ``lens`` and returns the rows the graph would
+    output (logits, or hidden states for ``head``), e.g.
+    :class:`~pagedkv_np.onnxruntime.native.NativeDecode`.
+    """
+
+    def __init__(self, session, io, head=None, step: Step | None = None) -> None:
         super().__init__(session, io, head)
+        self.step = step
         self.reset()
 
     def reset(self) -> None:
@@ -344,6 +354,10 @@ class GqaRunner(Runner):
         self._bufs, self._binding, self.capacity = bufs, binding, capacity
 
     def decode(self, tokens: np.ndarray, lens: np.ndarray):
+        if self.step is not None:
+            rows = self.step(tokens, lens, self._bufs)
+            self._next = lens + 1
+            return self._logits(rows)
         io, b, binding = self.io, tokens.shape[0], self._binding
         # right padding: seqlens_k = sum(mask) - 1 = lens, the new token's slot
         width = int(lens.max()) + 1
@@ -381,8 +395,13 @@ def _rows_of(x: np.ndarray) -> np.ndarray:
     return _flat(x.transpose(0, 2, 1, 3))
 
 
-def make_runner(session: Any, io: ModelIO, head: Head | None = None) -> Runner:
+def make_runner(session: Any, io: ModelIO, head: Head | None = None,
+                step: Step | None = None) -> Runner:
     """The runner for ``io.family``; ``head`` turns the graph's ``hidden``
-    output into logits when the graph has no head of its own."""
-    return (GqaRunner(session, io, head) if io.family == "gqa"
+    output into logits when the graph has no head of its own; ``step``: a
+    ``"gqa"`` runner's own decode step (see :class:`GqaRunner`)."""
+    if step is not None and io.family != "gqa":
+        raise ConfigError(f"Invalid step: a decode step of its own needs the gqa family, "
+                          f"not {io.family!r}")
+    return (GqaRunner(session, io, head, step) if io.family == "gqa"
             else OptimumRunner(session, io, head))

@@ -22,8 +22,9 @@ FAMILIES = ("gqa", "optimum")
 #: a plain input, the embedding and a tied head kept in blocks; 6: the head's
 #: default level 0, so that no folder of 5 named as the default is served; 7: packed
 #: Q/K/V and gate/up weights, one-node RMSNorms; 8: a 5-8-bit head in lm_head.npz,
-#: run by the engine)
-FORMAT_VERSION = 8
+#: run by the engine; 9: the geometry in the graph's metadata, for the engine's
+#: own decode step)
+FORMAT_VERSION = 9
 #: positions served (and RoPE table rows) unless ``max_context`` says otherwise
 DEFAULT_MAX_CONTEXT = 8192
 #: the LM head's MatMulNBits accuracy level unless told (see import_gguf):

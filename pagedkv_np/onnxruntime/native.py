@@ -1,0 +1,347 @@
+"""The engine's own decode step for the decoders this package builds.
+
+A graph built by :mod:`pagedkv_np.models.graph` carries its geometry in its
+metadata (:data:`~pagedkv_np.models.geometry.GEOMETRY_KEY`). For such a
+graph :class:`NativeDecode` computes a decode step itself, reading the
+graph's own initializers: the block weights through Numba kernels that take
+them as they are (:mod:`pagedkv_np.backends.block_gemv`), float ones through
+:func:`~pagedkv_np.backends.decode_ops.float_matmul`, and the rest with
+:mod:`pagedkv_np.backends.decode_ops`. It writes each new token's K/V into,
+and attends over, the same per-layer buffers that onnxruntime's prompt runs
+fill (:class:`~pagedkv_np.onnxruntime.runners.GqaRunner`), so prompts still
+run through onnxruntime (its GEMMs win there) while decode steps skip its
+per-node costs, and attention reads live positions only, not the buffer's
+capacity.
+
+Every kernel computes a row (one sequence's token) with the same code
+whatever the batch, so a sequence's tokens do not depend on the others in
+its batch. The numbers differ from onnxruntime's decode by float32
+roundings (another summation order), as onnxruntime's own batch-1 and
+batch-8 kernels differ from each other; greedy output is checked against
+full recompute and the NumPy reference in ``tests/test_native_decode.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from ..backends import decode_ops as ops
+from ..backends.block_gemv import BlockWeight, block_matmul
+from ..errors import ConfigError, UnsupportedModelError
+from ..models.geometry import DecoderGeometry
+
+__all__ = ["NativeDecode", "NativeLinear"]
+
+_CHUNKS_PER_THREAD = 8
+
+
+class NativeLinear:
+    """``x @ w`` for a weight in blocks (:class:`BlockWeight`) or float32 ``[K, N]``."""
+
+    def __init__(self, weight: BlockWeight | np.ndarray) -> None:
+        self.weight = weight
+        if isinstance(weight, BlockWeight):
+            self.in_features, self.out_features = weight.in_features, weight.out_features
+        else:
+            self.in_features, self.out_features = weight.shape
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if isinstance(self.weight, BlockWeight):
+            return block_matmul(x, self.weight, out=out)
+        import numba
+
+        chunks = min(self.out_features, numba.get_num_threads() * _CHUNKS_PER_THREAD)
+        ops.float_matmul(x, self.weight, chunks, out)
+        return out
+
+
+class _Initializers:
+    """A graph's constants by name, read on demand (external data from ``base``)."""
+
+    def __init__(self, proto: Any, base: str | None) -> None:
+        from onnx import numpy_helper
+
+        self._to_array = numpy_helper.to_array
+        self.base = base
+        self.tensors = {t.name: t for t in proto.graph.initializer}
+        for node in proto.graph.node:
+            if node.op_type == "Constant":
+                for attr in node.attribute:
+                    if attr.name == "value":
+                        self.tensors[node.output[0]] = attr.t
+        self.nodes = list(proto.graph.node)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self.tensors:
+            raise UnsupportedModelError(f"the graph has no initializer {name!r}")
+        return np.asarray(self._to_array(self.tensors[name], base_dir=self.base or ""))
+
+    def floats(self, name: str) -> np.ndarray:
+        return np.ascontiguousarray(self.array(name), dtype=np.float32)
+
+
+def _block_attrs(nodes: list) -> dict[str, tuple[int, int]]:
+    """Codes initializer -> (bits, block_size), from the nodes that read it."""
+    found = {}
+    for node in nodes:
+        if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
+            attrs = {a.name: a.i for a in node.attribute}
+            codes = node.input[1] if node.op_type == "MatMulNBits" else node.input[0]
+            found[codes] = (int(attrs.get("bits", 4)), int(attrs["block_size"]))
+    return found
+
+
+def _weight(init: _Initializers, blocks: dict, name: str) -> BlockWeight | np.ndarray | None:
+    """The weight ``name`` as blocks or float32 ``[K, N]``, None when absent."""
+    codes = name + ".qweight"
+    if codes in init:
+        if codes not in blocks:
+            raise UnsupportedModelError(f"no node reads {codes!r}: cannot tell its bits")
+        bits, block_size = blocks[codes]
+        parts = types.SimpleNamespace(
+            bits=bits, block_size=block_size, B=init.array(codes),
+            scales=init.array(name + ".scales"),
+            zero_points=init.array(name + ".qzeros") if name + ".qzeros" in init else None,
+            offsets=init.array(name + ".mins") if name + ".mins" in init else None)
+        return BlockWeight.from_nbits(parts)
+    return init.floats(name) if name in init else None
+
+
+def _linears(init: _Initializers, blocks: dict, packed: str,
+             parts: list[str]) -> list[NativeLinear]:
+    """One packed linear, else one per part."""
+    w = _weight(init, blocks, packed)
+    if w is not None:
+        return [NativeLinear(w)]
+    found = [_weight(init, blocks, name) for name in parts]
+    if any(w is None for w in found):
+        raise UnsupportedModelError(f"the graph has neither {packed!r} nor all of {parts}")
+    return [NativeLinear(w) for w in found]   # type: ignore[arg-type]
+
+
+class _Layer:
+    def __init__(self, init: _Initializers, blocks: dict, c: DecoderGeometry, i: int,
+                 tables: tuple[np.ndarray, np.ndarray]) -> None:
+        p = f"l{i}."
+        self.qkv = _linears(init, blocks, p + "wqkv", [p + "wq", p + "wk", p + "wv"])
+        bias = None
+        if c.qkv_bias:
+            bias = (init.floats(p + "bqkv") if p + "bqkv" in init else
+                    np.concatenate([init.floats(p + f"b{w}") for w in "qkv"]))
+        self.bias = bias
+        self.q_norm = init.floats(p + "q_norm") if c.qk_norm else None
+        self.k_norm = init.floats(p + "k_norm") if c.qk_norm else None
+        self.wo = NativeLinear(_required(init, blocks, p + "wo"))
+        self.gate_up = _linears(init, blocks, p + "w_gate_up", [p + "w_gate", p + "w_up"])
+        self.down = NativeLinear(_required(init, blocks, p + "w_down"))
+        self.attn_norm = init.floats(p + "attn_norm")
+        self.mlp_norm = init.floats(p + "mlp_norm")
+        self.post_attn = init.floats(p + "post_attn_norm") if c.post_norms else None
+        self.post_mlp = init.floats(p + "post_mlp_norm") if c.post_norms else None
+        self.window = c.window(i)
+        self.cos, self.sin = tables
+
+
+def _required(init: _Initializers, blocks: dict, name: str) -> BlockWeight | np.ndarray:
+    w = _weight(init, blocks, name)
+    if w is None:
+        raise UnsupportedModelError(f"the graph has no weight {name!r}")
+    return w
+
+
+class NativeDecode:
+    """A decode step of a graph built by :mod:`pagedkv_np.models.graph`.
+
+    Parameters
+    ----------
+    proto : onnx.ModelProto
+        The graph (its external data is read from ``base``).
+    geometry : DecoderGeometry
+        What its metadata says.
+    base : str, optional
+        The folder of the model file, for external data.
+    threads : int, optional
+        Numba threads for a step (default: leave the caller's).
+    with_head : bool
+        Compute logits (the graph's own head); False when the engine runs a
+        head of its own (:class:`~pagedkv_np.onnxruntime.head.BlockHead`) on
+        the final-normed states this then returns.
+    """
+
+    def __init__(self, proto: Any, geometry: DecoderGeometry, base: str | None = None,
+                 threads: int | None = None, with_head: bool = True) -> None:
+        c = self.geometry = geometry
+        init = _Initializers(proto, base)
+        blocks = _block_attrs(init.nodes)
+        gqa = [n for n in init.nodes if n.op_type == "GroupQueryAttention"]
+        if len(gqa) != c.num_layers:
+            raise UnsupportedModelError(f"the graph has {len(gqa)} GroupQueryAttention nodes "
+                                        f"for {c.num_layers} layers")
+        tables: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        for node in gqa:
+            key = (node.input[7], node.input[8])
+            if key not in tables:
+                tables[key] = (init.floats(key[0]), init.floats(key[1]))
+        self.layers = [_Layer(init, blocks, c, i, tables[(node.input[7], node.input[8])])
+                       for i, node in enumerate(gqa)]
+        self.max_positions = min(t[0].shape[0] for t in tables.values())
+        embed = _required(init, blocks, "embed")
+        self.embed = embed
+        self.final_norm = init.floats("final_norm")
+        self.head: NativeLinear | None = None
+        if with_head:
+            head = _weight(init, blocks, "lm_head")
+            if head is None:             # tied: the embedding's blocks, or its transpose
+                head = embed if isinstance(embed, BlockWeight) else \
+                    np.ascontiguousarray(embed.T)
+            self.head = NativeLinear(head)
+        self.threads = threads
+        self._buffers: dict[int, dict[str, np.ndarray]] = {}
+        self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
+
+    @classmethod
+    def from_source(cls, source: Any, proto: Any, geometry: DecoderGeometry,
+                    threads: int | None = None, with_head: bool = True) -> NativeDecode:
+        """From what :func:`~pagedkv_np.onnxruntime.session.load_model` returned."""
+        base = os.path.dirname(os.path.abspath(source)) if isinstance(source, str) else None
+        return cls(proto, geometry, base, threads, with_head)
+
+    @property
+    def out_features(self) -> int:
+        c = self.geometry
+        return c.hidden_size if self.head is None else self.head.out_features
+
+    def warmup(self) -> None:
+        """Compile the kernels now (seconds the first time, then from Numba's cache)."""
+        c = self.geometry
+        shape = (1, c.num_kv_heads, 1, c.head_dim)
+        kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+              for _ in range(c.num_layers)]
+        self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+
+    @contextlib.contextmanager
+    def _numba_threads(self) -> Iterator[None]:
+        if self.threads is None:
+            yield
+            return
+        import numba
+
+        before = numba.get_num_threads()
+        numba.set_num_threads(min(self.threads,
+                                  int(numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+        try:
+            yield
+        finally:
+            numba.set_num_threads(before)
+
+    def _buffers_for(self, b: int) -> dict[str, np.ndarray]:
+        bufs = self._buffers.get(b)
+        if bufs is None:
+            c = self.geometry
+            nq, nkv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            widths = {"x": c.hidden_size, "h": c.hidden_size, "attn": nq, "o": c.hidden_size,
+                      "act": c.intermediate_size, "down": c.hidden_size,
+                      "q": nq, "k": nkv, "v": nkv, "gate": c.intermediate_size,
+                      "up": c.intermediate_size, "qkv": nq + 2 * nkv,
+                      "gate_up": 2 * c.intermediate_size}
+            bufs = {name: np.empty((b, w), np.float32) for name, w in widths.items()}
+            self._buffers = {b: bufs}      # one batch size at a time
+        return bufs
+
+    def _run(self, linears: list[NativeLinear], x: np.ndarray, bufs: dict,
+             packed: str, names: list[str]) -> list[np.ndarray]:
+        if len(linears) == 1:
+            y = linears[0](x, bufs[packed])
+            out, lo = [], 0
+            for name in names:
+                width = bufs[name].shape[1]
+                out.append(y[:, lo:lo + width])
+                lo += width
+            return out
+        return [lin(x, bufs[name]) for lin, name in zip(linears, names)]
+
+    def __call__(self, tokens: np.ndarray, positions: np.ndarray,
+                 kv: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """One decode step: ``tokens[b]`` at ``positions[b]`` for each sequence
+        ``b``, its K/V written into ``kv[layer]`` (``[B, kv_heads, capacity,
+        head_dim]`` each) at that position; returns float32 ``[B, vocab]``
+        logits, or ``[B, hidden]`` final-normed states without a head.
+
+        Raises
+        ------
+        ConfigError
+            A position past the buffers' capacity or the RoPE tables.
+        """
+        c = self.geometry
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        positions = np.ascontiguousarray(positions, dtype=np.int64)
+        b = tokens.shape[0]
+        capacity = kv[0][0].shape[2]
+        if positions.shape != (b,) or len(kv) != c.num_layers:
+            raise ConfigError(f"Invalid decode step: {b} tokens, positions "
+                              f"{positions.shape}, K/V of {len(kv)} layers")
+        if b and (positions.min() < 0 or positions.max() >= min(capacity, self.max_positions)
+                  or tokens.min() < 0 or tokens.max() >= c.vocab_size):
+            raise ConfigError(f"Invalid decode step: positions {positions.min()}.."
+                              f"{positions.max()} for capacity {capacity} / "
+                              f"{self.max_positions}, or a token outside the vocabulary")
+        bufs = self._buffers_for(b)
+        with self._numba_threads():
+            return self._step(tokens, positions, kv, bufs)
+
+    def _step(self, tokens, positions, kv, bufs) -> np.ndarray:
+        c = self.geometry
+        x, h = bufs["x"], bufs["h"]
+        e = self.embed
+        if isinstance(e, BlockWeight):
+            offsets = e.offsets if e.offsets is not None else np.zeros((e.out_features, 0),
+                                                                        np.float32)
+            ops.embed_blocks(e.codes, e.zeros, e.scales, offsets, e.bits, e.block_size,
+                             tokens, np.float32(c.embed_scale), x)
+        else:
+            ops.embed_float(e, tokens, np.float32(c.embed_scale), x)
+        eps, hd = np.float32(c.rms_eps), c.head_dim
+        for layer, (kbuf, vbuf) in zip(self.layers, kv):
+            ops.rms_norm(x, layer.attn_norm, eps, h)
+            q, k, v = self._run(layer.qkv, h, bufs, "qkv", ["q", "k", "v"])
+            if layer.bias is not None:
+                qkv = np.concatenate([q, k, v], axis=1) + layer.bias
+                q, k, v = np.split(qkv, [q.shape[1], q.shape[1] + k.shape[1]], axis=1)
+            if layer.q_norm is not None:
+                ops.head_norm(q, c.num_heads, hd, layer.q_norm, eps)
+                ops.head_norm(k, c.num_kv_heads, hd, layer.k_norm, eps)
+            ops.rope(q, c.num_heads, hd, layer.cos, layer.sin, positions)
+            ops.rope(k, c.num_kv_heads, hd, layer.cos, layer.sin, positions)
+            ops.write_kv(k, v, c.num_kv_heads, hd, kbuf, vbuf, positions)
+            ops.attend(q, c.num_heads, c.num_kv_heads, hd, kbuf, vbuf, positions,
+                       layer.window, np.float32(c.query_scale), bufs["attn"])
+            o = layer.wo(bufs["attn"], bufs["o"])
+            if layer.post_attn is not None:
+                ops.rms_norm(o, layer.post_attn, eps, o)
+            ops.add_into(x, o)
+            ops.rms_norm(x, layer.mlp_norm, eps, h)
+            gate, up = self._run(layer.gate_up, h, bufs, "gate_up", ["gate", "up"])
+            ops.gated(gate, up, self.activation, bufs["act"])
+            d = layer.down(bufs["act"], bufs["down"])
+            if layer.post_mlp is not None:
+                ops.rms_norm(d, layer.post_mlp, eps, d)
+            ops.add_into(x, d)
+        ops.rms_norm(x, self.final_norm, eps, h)
+        if self.head is None:
+            return h.copy()
+        logits = self.head(h, np.empty((h.shape[0], self.head.out_features), np.float32))
+        if c.final_softcap:
+            cap = np.float32(c.final_softcap)
+            np.tanh(logits / cap, out=logits)
+            logits *= cap
+        return logits
+
