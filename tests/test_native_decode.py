@@ -1,0 +1,196 @@
+"""The engine's own decode step (pagedkv_np.onnxruntime.native) against the
+NumPy forward pass of the same weights, alone and in batches, and through
+OrtDecoder against full recompute and the graph's own decode steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gguf
+import numpy as np
+import onnx
+import pytest
+
+from pagedkv_np.errors import ConfigError, DTypeError, UnsupportedModelError
+from pagedkv_np.models.geometry import (GEOMETRY_KEY, geometry_from_json, geometry_json,
+                                        weight_names, weight_shapes)
+from pagedkv_np.models.graph import BlockQuantized, DecoderGeometry, build_decoder
+from pagedkv_np.models.reference import reference_logits
+from pagedkv_np.onnxruntime import OrtDecoder
+from pagedkv_np.onnxruntime.native import NativeDecode
+
+_QTYPES = {"q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_1": gguf.GGMLQuantizationType.Q4_1,
+           "q8_0": gguf.GGMLQuantizationType.Q8_0}
+
+LLAMA = DecoderGeometry(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, intermediate_size=96, max_positions=128)
+# every option of the block: bias, per-head norms, post-norms, GeGLU, scaled
+# embedding, query scale, sliding layers with tables of their own, soft-cap
+GEOMETRIES = {
+    "llama": LLAMA,
+    "qwen2": dataclasses.replace(LLAMA, qkv_bias=True, tie_word_embeddings=True),
+    "qwen3": dataclasses.replace(LLAMA, qk_norm=True, head_dim=32),
+    "gemma3": dataclasses.replace(LLAMA, num_layers=3, qk_norm=True, post_norms=True,
+                                  activation="gelu_tanh", embed_scale=8.0, attn_scale=0.2,
+                                  sliding_window=5, global_layers=(2,),
+                                  rope_local_theta=10.0, rope_scale=2.0, final_softcap=7.0,
+                                  tie_word_embeddings=True),
+}
+
+
+def _weights(c: DecoderGeometry, kind: str | None, seed: int = 0) -> dict:
+    """Random weights; matrices (the embedding too) as ``kind`` blocks."""
+    rng = np.random.default_rng(seed)
+    shapes = weight_shapes(c)
+    out: dict = {}
+    for name in weight_names(c):
+        shape = shapes[name]
+        if len(shape) == 1:
+            value = (1.0 if "norm" in name else 0.0) + 0.2 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) * (1.5 / np.sqrt(shape[0]))
+            if name in ("embed", "lm_head"):
+                value = value * 4
+        value = value.astype(np.float32)
+        if kind is not None and len(shape) == 2:
+            # the embedding's blocks are rows of tokens; the others' rows of outputs
+            rows = value if name == "embed" else np.ascontiguousarray(value.T)
+            out[name] = BlockQuantized(kind, gguf.quants.quantize(rows, _QTYPES[kind]))
+        else:
+            out[name] = value
+    return out
+
+
+def _reference(c: DecoderGeometry, weights: dict, tokens: list[int]) -> np.ndarray:
+    """The NumPy forward pass (an embedding in blocks given as its float rows)."""
+    embed = weights["embed"]
+    if isinstance(embed, BlockQuantized):
+        weights = {**weights, "embed": np.ascontiguousarray(embed.dequantize().T)}
+    return reference_logits(c, weights, tokens)
+
+
+def _decode_all(native: NativeDecode, c: DecoderGeometry, tokens: list[int]) -> np.ndarray:
+    """Logits of every position, one decode step per token from an empty past."""
+    shape = (1, c.num_kv_heads, len(tokens), c.head_dim)
+    kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+          for _ in range(c.num_layers)]
+    return np.concatenate([native(np.array([t]), np.array([p]), kv)
+                           for p, t in enumerate(tokens)])
+
+
+@pytest.mark.parametrize("kind", [None, "q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("arch", sorted(GEOMETRIES))
+def test_decode_steps_match_the_numpy_forward(arch, kind):
+    c = GEOMETRIES[arch]
+    weights = _weights(c, kind)
+    tokens = np.random.default_rng(1).integers(0, c.vocab_size, 14).tolist()
+    native = NativeDecode(build_decoder(c, weights, family="gqa"), c)
+    got = _decode_all(native, c, tokens)
+    want = _reference(c, weights, tokens)
+    assert got.shape == want.shape
+    assert np.abs(got - want).max() < 2e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_rows_logits_do_not_depend_on_its_batch(arch):
+    c = GEOMETRIES[arch]
+    native = NativeDecode(build_decoder(c, _weights(c, "q4_1"), family="gqa"), c)
+    rng = np.random.default_rng(2)
+    cap = 12
+    # three sequences of different lengths, their pasts filled by decode steps
+    lens = np.array([3, 9, 6])
+    kv = [(np.zeros((3, c.num_kv_heads, cap, c.head_dim), np.float32),
+           np.zeros((3, c.num_kv_heads, cap, c.head_dim), np.float32))
+          for _ in range(c.num_layers)]
+    for p in range(int(lens.max())):
+        rows = np.flatnonzero(lens > p)
+        sub = [(k[rows], v[rows]) for k, v in kv]
+        native(rng.integers(0, c.vocab_size, rows.size), np.full(rows.size, p), sub)
+        for (k, v), (sk, sv) in zip(kv, sub):
+            k[rows], v[rows] = sk, sv
+    tokens = rng.integers(0, c.vocab_size, 3)
+    alone = []
+    for b in range(3):
+        sub = [(k[b:b + 1].copy(), v[b:b + 1].copy()) for k, v in kv]
+        alone.append(native(tokens[b:b + 1], lens[b:b + 1], sub)[0])
+    batch = native(tokens, lens, [(k.copy(), v.copy()) for k, v in kv])
+    np.testing.assert_array_equal(batch, np.stack(alone))
+
+
+def _greedy(decoder: OrtDecoder, prompts: list[list[int]], n: int) -> list[list[int]]:
+    return decoder.generate(prompts, max_new_tokens=n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_engine_greedy_matches_full_recompute(arch):
+    c = GEOMETRIES[arch]
+    weights = _weights(c, "q4_1", seed=3)
+    model = build_decoder(c, weights, family="gqa")
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (3, 11, 7)]
+    native = OrtDecoder(model, eos_token_id=[], native_decode=True, page_size=4)
+    graph = OrtDecoder(model, eos_token_id=[], native_decode=False, page_size=4)
+    got = _greedy(native, prompts, 16)
+    assert got == _greedy(graph, prompts, 16)
+    for prompt, out in zip(prompts, got):      # each token the argmax of a full recompute
+        want = _reference(c, weights, prompt + out)[len(prompt) - 1:-1].argmax(-1)
+        assert out == want.tolist()
+    # alone, and again from the prefix cache: the same tokens
+    assert [_greedy(native, [p], 16)[0] for p in prompts] == got
+    assert native.stats["prefix_hit_tokens"] > 0
+
+
+def test_native_decode_is_default_where_it_can_be():
+    c = GEOMETRIES["llama"]
+    model = build_decoder(c, _weights(c, None), family="gqa")
+    steps = OrtDecoder(model)._batcher.runner.step
+    assert isinstance(steps, NativeDecode)
+    assert OrtDecoder(model, native_decode=False)._batcher.runner.step is None
+
+
+def test_native_decode_refuses_what_it_cannot_run():
+    c = GEOMETRIES["llama"]
+    weights = _weights(c, None)
+    optimum = build_decoder(c, weights, family="optimum")
+    with pytest.raises(ConfigError, match="gqa"):
+        OrtDecoder(optimum, native_decode=True)
+    assert OrtDecoder(optimum).io.family == "optimum"        # auto: the graph's decode
+    bare = build_decoder(c, weights, family="gqa")
+    del bare.metadata_props[:]
+    with pytest.raises(ConfigError, match="geometry"):
+        OrtDecoder(bare, native_decode=True)
+    assert OrtDecoder(bare)._batcher.runner.step is None
+    with pytest.raises(DTypeError):
+        OrtDecoder(build_decoder(c, weights, family="gqa"), native_decode="yes")
+
+
+def test_a_step_past_the_buffers_is_refused_and_writes_nothing():
+    c = GEOMETRIES["llama"]
+    native = NativeDecode(build_decoder(c, _weights(c, None), family="gqa"), c)
+    kv = [(np.zeros((1, c.num_kv_heads, 4, c.head_dim), np.float32),
+           np.zeros((1, c.num_kv_heads, 4, c.head_dim), np.float32))
+          for _ in range(c.num_layers)]
+    for positions, tokens in (([4], [1]), ([-1], [1]), ([0], [c.vocab_size]), ([0], [-2])):
+        with pytest.raises(ConfigError):
+            native(np.array(tokens), np.array(positions), kv)
+    assert all(not k.any() and not v.any() for k, v in kv)
+
+
+def test_geometry_travels_in_the_metadata():
+    c = GEOMETRIES["gemma3"]
+    model = build_decoder(c, _weights(c, None), family="gqa")
+    props = {p.key: p.value for p in model.metadata_props}
+    assert geometry_from_json(props[GEOMETRY_KEY]) == c
+    assert geometry_from_json(geometry_json(LLAMA)) == LLAMA
+    for bad in ("{", "[]", '{"vocab_size": 0}', '{"colour": 1}', '{"num_heads": "x"}'):
+        with pytest.raises(ConfigError):
+            geometry_from_json(bad)
+    # a wrong geometry in the metadata is refused when the engine loads it
+    wrong = onnx.ModelProto()
+    wrong.CopyFrom(model)
+    for p in wrong.metadata_props:
+        if p.key == GEOMETRY_KEY:
+            p.value = geometry_json(dataclasses.replace(c, num_layers=4))
+    with pytest.raises(UnsupportedModelError, match="GroupQueryAttention"):
+        OrtDecoder(wrong, native_decode=True)
