@@ -82,7 +82,7 @@ from llvmlite import binding as llvm_binding
 from numba import prange
 
 from .block_gemv import BlockWeight
-from .block_q8_ir import q8_dot_intrinsic
+from .block_q8_ir import q8_span_intrinsic
 from .jit import jit_kernel
 from ..errors import DTypeError, ShapeError
 
@@ -145,13 +145,16 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     q = np.empty((m, w.in_features), np.int8)
     d = np.empty((m, num_blocks), np.float32)
     sums = np.empty((m, num_blocks), np.float32)
-    q8_quantize(x, w.bits, w.block_size, q, d, sums)
     offsets = w.offsets if w.offsets is not None else np.zeros((n, 0), np.float32)
-    chunks = min(n, numba.get_num_threads() * _CHUNKS_PER_THREAD)
+    threads = numba.get_num_threads()
+    if threads == 1:                     # no parallel region: a few µs less per call
+        _matmul_serial(x, q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
+                       w.block_size, out)
+        return out
     before = numba.set_parallel_chunksize(1)
     try:
-        q8_gemm(q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size,
-                chunks, out)
+        _matmul_parallel(x, q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
+                         w.block_size, min(n, threads * _CHUNKS_PER_THREAD), out)
     finally:
         numba.set_parallel_chunksize(before)
     return out
@@ -193,7 +196,7 @@ def q8_quantize(x, bits, block_size, q, d, sums):
 
 
 def _variants(num_rows):
-    return [q8_dot_intrinsic(bits, bs, num_rows, off)
+    return [q8_span_intrinsic(bits, bs, num_rows, off)
             for bits in (4, 8) for bs in (16, 32) for off in (False, True)]
 
 
@@ -204,89 +207,84 @@ _o4_16, _o4_16o, _o4_32, _o4_32o, _o8_16, _o8_16o, _o8_32, _o8_32o = _variants(1
 
 
 @jit_kernel
-def _four(c, z, s, o, q, d, u, n, m, bits, block_size):
-    """Output ``n`` of 4 rows from ``m`` on (``c, z, s, o``: the weight's codes,
-    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+def _four(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+    """Outputs ``lo .. hi - 1`` of 4 rows from ``m`` on (``c, z, s, o``: the
+    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
+    scales, sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _f4_32o(c, z, s, o, q, d, u, n, m)
+            return _f4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
         if bits == 4:
-            return _f4_16o(c, z, s, o, q, d, u, n, m)
+            return _f4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
         if block_size == 32:
-            return _f8_32o(c, z, s, o, q, d, u, n, m)
-        return _f8_16o(c, z, s, o, q, d, u, n, m)
+            return _f8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _f8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _f4_32(c, z, s, o, q, d, u, n, m)
+        return _f4_32(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4:
-        return _f4_16(c, z, s, o, q, d, u, n, m)
+        return _f4_16(c, z, s, o, q, d, u, lo, hi, m, out)
     if block_size == 32:
-        return _f8_32(c, z, s, o, q, d, u, n, m)
-    return _f8_16(c, z, s, o, q, d, u, n, m)
+        return _f8_32(c, z, s, o, q, d, u, lo, hi, m, out)
+    return _f8_16(c, z, s, o, q, d, u, lo, hi, m, out)
 
 
 @jit_kernel
-def _two(c, z, s, o, q, d, u, n, m, bits, block_size):
-    """Output ``n`` of 2 rows from ``m`` on (``c, z, s, o``: the weight's codes,
-    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+def _two(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+    """Outputs ``lo .. hi - 1`` of 2 rows from ``m`` on (``c, z, s, o``: the
+    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
+    scales, sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _t4_32o(c, z, s, o, q, d, u, n, m)
+            return _t4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
         if bits == 4:
-            return _t4_16o(c, z, s, o, q, d, u, n, m)
+            return _t4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
         if block_size == 32:
-            return _t8_32o(c, z, s, o, q, d, u, n, m)
-        return _t8_16o(c, z, s, o, q, d, u, n, m)
+            return _t8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _t8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _t4_32(c, z, s, o, q, d, u, n, m)
+        return _t4_32(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4:
-        return _t4_16(c, z, s, o, q, d, u, n, m)
+        return _t4_16(c, z, s, o, q, d, u, lo, hi, m, out)
     if block_size == 32:
-        return _t8_32(c, z, s, o, q, d, u, n, m)
-    return _t8_16(c, z, s, o, q, d, u, n, m)
+        return _t8_32(c, z, s, o, q, d, u, lo, hi, m, out)
+    return _t8_16(c, z, s, o, q, d, u, lo, hi, m, out)
 
 
 @jit_kernel
-def _one(c, z, s, o, q, d, u, n, m, bits, block_size):
-    """Output ``n`` of 1 row from ``m`` on (``c, z, s, o``: the weight's codes,
-    zeros, scales, offsets; ``q, d, u``: the rows' values, scales, sums)."""
+def _one(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+    """Outputs ``lo .. hi - 1`` of 1 row from ``m`` on (``c, z, s, o``: the
+    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
+    scales, sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _o4_32o(c, z, s, o, q, d, u, n, m)
+            return _o4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
         if bits == 4:
-            return _o4_16o(c, z, s, o, q, d, u, n, m)
+            return _o4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
         if block_size == 32:
-            return _o8_32o(c, z, s, o, q, d, u, n, m)
-        return _o8_16o(c, z, s, o, q, d, u, n, m)
+            return _o8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _o8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _o4_32(c, z, s, o, q, d, u, n, m)
+        return _o4_32(c, z, s, o, q, d, u, lo, hi, m, out)
     if bits == 4:
-        return _o4_16(c, z, s, o, q, d, u, n, m)
+        return _o4_16(c, z, s, o, q, d, u, lo, hi, m, out)
     if block_size == 32:
-        return _o8_32(c, z, s, o, q, d, u, n, m)
-    return _o8_16(c, z, s, o, q, d, u, n, m)
+        return _o8_32(c, z, s, o, q, d, u, lo, hi, m, out)
+    return _o8_16(c, z, s, o, q, d, u, lo, hi, m, out)
 
 
 @jit_kernel
 def _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
     """Outputs ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
+    if lo >= hi:
+        return
     num_rows = q.shape[0]
     fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
-    for n in range(lo, hi):
-        for m in range(0, fours, 4):
-            t0, t1, t2, t3 = _four(codes, zeros, scales, offsets, q, d, sums, n, m, bits,
-                                   block_size)
-            out[m, n] = t0
-            out[m + 1, n] = t1
-            out[m + 2, n] = t2
-            out[m + 3, n] = t3
-        if twos > fours:
-            t0, t1 = _two(codes, zeros, scales, offsets, q, d, sums, n, fours, bits,
-                          block_size)
-            out[fours, n] = t0
-            out[fours + 1, n] = t1
-        if num_rows > twos:
-            out[twos, n] = _one(codes, zeros, scales, offsets, q, d, sums, n, twos, bits,
-                                block_size)[0]
+    for m in range(0, fours, 4):
+        _four(codes, zeros, scales, offsets, q, d, sums, lo, hi, m, out, bits, block_size)
+    if twos > fours:
+        _two(codes, zeros, scales, offsets, q, d, sums, lo, hi, fours, out, bits, block_size)
+    if num_rows > twos:
+        _one(codes, zeros, scales, offsets, q, d, sums, lo, hi, twos, out, bits, block_size)
 
 
 @jit_kernel
@@ -336,6 +334,15 @@ def _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
             out[m, n] = acc[0] + off if with_offsets else acc[0]
 
 
+@jit_kernel
+def _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
+    if HAS_AVX2:
+        _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+    else:
+        _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+                        out)
+
+
 @jit_kernel(parallel=True)
 def q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out):
     """Every output of the quantized rows (see the module docstring); the AVX2
@@ -343,12 +350,26 @@ def q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        if HAS_AVX2:
-            _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
-                        out)
-        else:
-            _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
-                            lo, hi, out)
+        _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+
+
+@jit_kernel(parallel=True)
+def _matmul_parallel(x, q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
+                     out):
+    """:func:`q8_quantize` then :func:`q8_gemm`, one call from Python."""
+    q8_quantize(x, bits, block_size, q, d, sums)
+    n_total = codes.shape[0]
+    for c in prange(chunks):
+        lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
+        _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+
+
+@jit_kernel
+def _matmul_serial(x, q, d, sums, codes, zeros, scales, offsets, bits, block_size, out):
+    """:func:`_matmul_parallel` on the calling thread (no parallel region to start)."""
+    q8_quantize(x, bits, block_size, q, d, sums)
+    _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, 0, codes.shape[0],
+           out)
 
 
 @jit_kernel(parallel=True)

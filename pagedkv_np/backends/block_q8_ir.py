@@ -1,7 +1,7 @@
 """The AVX2 inner loop of :mod:`pagedkv_np.backends.block_q8`, written in LLVM IR.
 
-:func:`q8_dot_intrinsic` returns a Numba ``@intrinsic`` computing one output
-``n`` of 1, 2 or 4 consecutive quantized rows, in the order that
+:func:`q8_span_intrinsic` returns a Numba ``@intrinsic`` computing a span of
+outputs ``n`` of 1, 2 or 4 consecutive quantized rows, in the order that
 :mod:`pagedkv_np.backends.block_q8` documents: per block, the exact integer
 lane sums ``P[l]`` (AVX2 integer ops), then ``acc[l] += (scale * d) *
 float(P[l])`` with a separate multiply and add, the block's offset term on a
@@ -31,7 +31,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["q8_dot_intrinsic"]
+__all__ = ["q8_span_intrinsic"]
 
 _F32 = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -51,14 +51,6 @@ def _splat(builder, value, vty):
     one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
     return builder.shuffle_vector(one, undef, ir.Constant(ir.VectorType(_I32, vty.count),
                                                           [0] * vty.count))
-
-
-def _row_pointer(context, builder, arrty, arr, row, elty):
-    """``&arr[row, 0]`` as an ``elty *`` (a C-contiguous 2-D array)."""
-    ary = context.make_array(arrty)(context, builder, arr)
-    stride = builder.extract_value(ary.strides, 0)
-    base = builder.bitcast(ary.data, _I8.as_pointer())
-    return builder.bitcast(builder.gep(base, [builder.mul(row, stride)]), elty.as_pointer())
 
 
 def _call(builder, name, ret, args):
@@ -112,26 +104,44 @@ def _lane_sums(builder, weights, q, at_q):
     return total
 
 
-def _build(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets, rows,
-           num_blocks):
-    """IR of one output for each of ``rows`` (``(q, d, sums)`` pointers)."""
+def _loop(builder, name, start_value, stop, carried):
+    """Open a counted loop: returns ``(counter, phis, finish)``; call
+    ``finish(new_values)`` at the end of the body to close it (``carried``: the
+    initial values of the loop-carried registers)."""
+    entry = builder.block
+    body = builder.append_basic_block(f"{name}.body")
+    after = builder.append_basic_block(f"{name}.after")
+    builder.branch(body)
+    builder.position_at_end(body)
+    i = builder.phi(start_value.type)
+    i.add_incoming(start_value, entry)
+    phis = []
+    for value in carried:
+        phi = builder.phi(value.type)
+        phi.add_incoming(value, entry)
+        phis.append(phi)
+
+    def finish(new_values):
+        nxt = builder.add(i, ir.Constant(i.type, 1))
+        i.add_incoming(nxt, builder.block)
+        for phi, value in zip(phis, new_values):
+            phi.add_incoming(value, builder.block)
+        builder.cbranch(builder.icmp_signed("<", nxt, stop), body, after)
+        builder.position_at_end(after)
+
+    return i, phis, finish
+
+
+def _block_loop(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets, rows,
+                num_blocks):
+    """IR of one output for each of ``rows`` (``(q, d, sums)`` pointers): the
+    block loop, then the lanes' tree and the offset chain; the totals."""
     intp = num_blocks.type
-    start = builder.block
-    loop = builder.append_basic_block("q8_dot.loop")
-    done = builder.append_basic_block("q8_dot.done")
-    builder.branch(loop)
-    builder.position_at_end(loop)
-    b = builder.phi(intp)
-    b.add_incoming(ir.Constant(intp, 0), start)
-    accs, offs = [], []
-    for _ in rows:
-        acc = builder.phi(_V8F)
-        acc.add_incoming(ir.Constant(_V8F, [0.0] * _LANES), start)
-        accs.append(acc)
-        if offsets_on:
-            off = builder.phi(_F32)
-            off.add_incoming(ir.Constant(_F32, 0.0), start)
-            offs.append(off)
+    carried = [ir.Constant(_V8F, [0.0] * _LANES) for _ in rows]
+    if offsets_on:
+        carried += [ir.Constant(_F32, 0.0) for _ in rows]
+    b, phis, finish = _loop(builder, "q8_dot", ir.Constant(intp, 0), num_blocks, carried)
+    accs, offs = phis[:len(rows)], phis[len(rows):]
     zero = builder.load(builder.gep(zeros, [b]))
     scale = builder.load(builder.gep(scales, [b]))
     offset = builder.load(builder.gep(offsets, [b])) if offsets_on else None
@@ -146,12 +156,7 @@ def _build(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets,
         if offsets_on:
             term = builder.fmul(offset, builder.load(builder.gep(sums, [b])))
             new_offs.append(builder.fadd(offs[r], term))
-    nxt = builder.add(b, ir.Constant(intp, 1))
-    for phi, value in zip(accs + offs, new_accs + new_offs):
-        phi.add_incoming(value, loop)
-    b.add_incoming(nxt, loop)
-    builder.cbranch(builder.icmp_signed("<", nxt, num_blocks), loop, done)
-    builder.position_at_end(done)
+    finish(new_accs + new_offs)
     undef = ir.Constant(_V8F, ir.Undefined)
     totals = []
     for r in range(len(rows)):
@@ -166,38 +171,55 @@ def _build(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets,
     return totals
 
 
-def q8_dot_intrinsic(bits, block_size, num_rows, offsets_on):
-    """``q8_dot(codes, zeros, scales, offsets, q, d, sums, n, m)``: output ``n``
-    of quantized rows ``m .. m + num_rows - 1``, a tuple of float32 (the
-    offset term included when ``offsets_on``; ``offsets`` is not read otherwise).
-    The weight has at least one block."""
+class _Rows:
+    """A 2-D C-contiguous array's data pointer and row stride (bytes)."""
 
-    def typer(typingctx, codes, zeros, scales, offsets, q, d, sums, n, m):
-        sig = types.UniTuple(types.float32, num_rows)(
-            codes, zeros, scales, offsets, q, d, sums, types.intp, types.intp)
+    def __init__(self, context, builder, arrty, arr):
+        ary = context.make_array(arrty)(context, builder, arr)
+        self.base = builder.bitcast(ary.data, _I8.as_pointer())
+        self.stride = builder.extract_value(ary.strides, 0)
+        self.shape = ary.shape
+
+    def row(self, builder, row, elty):
+        """``&arr[row, 0]`` as an ``elty *``."""
+        ptr = builder.gep(self.base, [builder.mul(row, self.stride)])
+        return builder.bitcast(ptr, elty.as_pointer())
+
+
+def q8_span_intrinsic(bits, block_size, num_rows, offsets_on):
+    """``q8_span(codes, zeros, scales, offsets, q, d, sums, lo, hi, m, out)``:
+    writes ``out[m + r, n]`` for outputs ``lo <= n < hi`` (``lo < hi``) and
+    the quantized rows ``m .. m + num_rows - 1``; the offset term is included
+    when ``offsets_on`` (``offsets`` is not read otherwise). The weight has
+    at least one block."""
+
+    def typer(typingctx, codes, zeros, scales, offsets, q, d, sums, lo, hi, m, out):
+        sig = types.intp(codes, zeros, scales, offsets, q, d, sums, types.intp, types.intp,
+                         types.intp, out)
 
         def codegen(context, builder, sig, args):
-            codes_v, zeros_v, scales_v, offsets_v, q_v, d_v, sums_v, n_v, m_v = args
-            ty = sig.args
-            num_blocks = builder.extract_value(
-                context.make_array(ty[2])(context, builder, scales_v).shape, 1)
-            rows = []
+            arrays = [_Rows(context, builder, ty, v)
+                      for ty, v in zip(sig.args, args) if isinstance(ty, types.Array)]
+            a_codes, a_zeros, a_scales, a_offsets, a_q, a_d, a_sums, a_out = arrays
+            lo_v, hi_v, m_v = args[7:10]
+            num_blocks = builder.extract_value(a_scales.shape, 1)
+            rows, outs = [], []
             for r in range(num_rows):
                 row = builder.add(m_v, ir.Constant(m_v.type, r))
-                rows.append((_row_pointer(context, builder, ty[4], q_v, row, _I8),
-                             _row_pointer(context, builder, ty[5], d_v, row, _F32),
-                             _row_pointer(context, builder, ty[6], sums_v, row, _F32)))
-            off_ptr = (_row_pointer(context, builder, ty[3], offsets_v, n_v, _F32)
-                       if offsets_on else None)
-            totals = _build(
-                builder, bits, block_size, offsets_on,
-                _row_pointer(context, builder, ty[0], codes_v, n_v, _I8),
-                _row_pointer(context, builder, ty[1], zeros_v, n_v, _I8),
-                _row_pointer(context, builder, ty[2], scales_v, n_v, _F32), off_ptr,
-                rows, num_blocks)
-            return context.make_tuple(builder, sig.return_type, totals)
+                rows.append((a_q.row(builder, row, _I8), a_d.row(builder, row, _F32),
+                             a_sums.row(builder, row, _F32)))
+                outs.append(a_out.row(builder, row, _F32))
+            n, _, finish = _loop(builder, "q8_span", lo_v, hi_v, [])
+            totals = _block_loop(
+                builder, bits, block_size, offsets_on, a_codes.row(builder, n, _I8),
+                a_zeros.row(builder, n, _I8), a_scales.row(builder, n, _F32),
+                a_offsets.row(builder, n, _F32) if offsets_on else None, rows, num_blocks)
+            for out_row, total in zip(outs, totals):
+                builder.store(total, builder.gep(out_row, [n]))
+            finish([])
+            return ir.Constant(ir.IntType(64), 0)
 
         return sig, codegen
 
-    typer.__name__ = f"q8_dot{bits}_{block_size}_{num_rows}{'_off' if offsets_on else ''}"
+    typer.__name__ = f"q8_span{bits}_{block_size}_{num_rows}{'_off' if offsets_on else ''}"
     return intrinsic(typer)
