@@ -20,48 +20,59 @@ of ``block_size`` inputs (the weight's), all float32:
   ``np.rint(x / d)``), as int8 in -127..127; a block with ``d_b == 0`` (all
   zeros) or a non-finite ``d_b`` or quotient gets ``q_i = 0`` (non-finite
   input gives non-finite outputs: ``d_b`` carries it);
-* ``s_b``: the block's float32 inputs summed in order (the offset term uses
-  the exact sum, not ``d_b * sum q``, as block_matmul does);
+* ``dq_b = d_b * float(sum_i q_i)`` (one rounding), for the zero points;
+* ``s_b``: the block's float32 inputs summed in order, for the offsets (the
+  exact sum, not ``dq_b``, as block_matmul does);
 * the quantized row is stored in *position order*: 4 bits, the block's even
   inputs then its odd ones (the low then the high nibbles of the codes); 8
   bits, as they come.
 
 The product, per output ``(m, n)``, float32 with one rounding per operation
-(no fused multiply-add):
+(no fused multiply-add). As onnxruntime's int8 kernels do, the zero point
+leaves the inner loop: ``sum_i (code_i - zero) * scale * d * q_i = scale * d
+* sum_i code_i q_i - (scale * zero) * dq``, so the loop over codes is a plain
+unsigned-by-signed integer dot:
 
-* per block ``b`` in order: ``P[l]``, the exact integer sum of ``(code -
-  zero) * q`` over the block positions of lane ``l`` (4 bits, block 32: lane
+* the block terms ``e_b = offset_nb * s_mb - (scale_nb * float(zero_nb)) *
+  dq_mb`` (without offsets ``e_b = -((scale_nb * float(zero_nb)) * dq_mb)``):
+  blocks ``8g + j`` of the whole groups of 8 go to lane ``j`` of ``terms``,
+  ``terms[j] = terms[j] + e_b``, ``g`` in order; the last ``blocks % 8`` to a
+  scalar ``tail = tail + e_b`` in order;
+* the block dots, per block ``b`` in order: ``P[l]``, the exact integer sum of
+  ``code * q`` over the block positions of lane ``l`` (4 bits, block 32: lane
   ``l`` holds positions ``4l .. 4l + 3``; block 16: ``2l, 2l + 1``; 8 bits,
   block 32: ``2l, 2l + 1, 16 + 2l, 17 + 2l``), then ``sd = scale_nb * d_mb``
-  and, for each of 8 lanes, ``acc[l] = acc[l] + sd * float(P[l])``; with
-  offsets, on a separate chain, ``off = off + offset_nb * s_mb``;
-* ``total``: the 8 lanes summed as a fixed tree (``lane[i] += lane[i +
-  width]``, width 4, 2, 1), plus ``off`` when the weight has offsets.
+  and, for each of 8 lanes, ``acc[l] = acc[l] + sd * float(P[l])``;
+* ``out = (tree(acc) + tree(terms)) + tail``, ``tree`` the 8 lanes summed as
+  a fixed tree (``lane[i] += lane[i + width]``, width 4, 2, 1).
 
 The difference from the float64 product of ``x`` and the dequantized weight
 is the rounding of ``x`` (at most about ``d_b / 2`` per input, so at most
 ``sum_b (d_b / 2) sum_i |scale_b (code_i - zero_b)|`` per output) plus a few
-float32 roundings of ``sum |w| |x|``.
+float32 roundings of ``sum |w| |x|`` and of the two sides of the zero point,
+``sum_b scale_b d_b (sum_i code_i |q_i| + zero_b |sum_i q_i|)``.
 
 Numba-callable pieces, for a jitted caller (plain arrays and ints; they
 validate nothing, :func:`q8_matmul` does)::
 
-    q8_quantize_row(x, bits, block_size, q, d, sums)
+    q8_quantize_row(x, bits, block_size, q, d, dq, sums)
         x     float32 [K], C-contiguous        (K a multiple of block_size)
         q     int8    [K]                      written, position order
         d     float32 [K // block_size]        written
+        dq    float32 [K // block_size]        written
         sums  float32 [K // block_size]        written
-    q8_quantize(x, bits, block_size, q, d, sums)
+    q8_quantize(x, bits, block_size, q, d, dq, sums)
         the same for every row: x float32 [M, K], q int8 [M, K],
-        d and sums float32 [M, K // block_size]
-    q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
+        d, dq and sums float32 [M, K // block_size]
+    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
             chunks, out)                       parallel over outputs
-        q, d, sums     from q8_quantize (C-contiguous)
+        q, d, dq, sums     from q8_quantize (C-contiguous)
         codes, zeros, scales               a BlockWeight's arrays
         offsets        float32 [N, K // block_size], or float32 [N, 0]
                        for a weight without offsets
-        chunks         int in 1 .. N: outputs split into this many chunks,
-                       handed to threads one at a time
+        chunks         int in 1 .. N: outputs split into this many chunks
+                       (q8_matmul: 16 per thread, with
+                       numba.set_parallel_chunksize(1) around the call)
         out            float32 [M, N], C-contiguous, written
     q8_gemm_portable(...)   the same arguments and bits, plain Numba loops
 
@@ -144,16 +155,17 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     num_blocks = w.in_features // w.block_size
     q = np.empty((m, w.in_features), np.int8)
     d = np.empty((m, num_blocks), np.float32)
+    dq = np.empty((m, num_blocks), np.float32)
     sums = np.empty((m, num_blocks), np.float32)
     offsets = w.offsets if w.offsets is not None else np.zeros((n, 0), np.float32)
     threads = numba.get_num_threads()
     if threads == 1:                     # no parallel region: a few µs less per call
-        _matmul_serial(x, q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
+        _matmul_serial(x, q, d, dq, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
                        w.block_size, out)
         return out
     before = numba.set_parallel_chunksize(1)
     try:
-        _matmul_parallel(x, q, d, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
+        _matmul_parallel(x, q, d, dq, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
                          w.block_size, min(n, threads * _CHUNKS_PER_THREAD), out)
     finally:
         numba.set_parallel_chunksize(before)
@@ -161,8 +173,9 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
 
 
 @jit_kernel(error_model="numpy")
-def q8_quantize_row(x, bits, block_size, q, d, sums):
-    """One row's int8 values, scales and block sums (see the module docstring)."""
+def q8_quantize_row(x, bits, block_size, q, d, dq, sums):
+    """One row's int8 values, scales, scaled sums and block sums (see the module
+    docstring)."""
     half = block_size // 2
     for b in range(x.shape[0] // block_size):
         base = b * block_size
@@ -178,21 +191,24 @@ def q8_quantize_row(x, bits, block_size, q, d, sums):
         d[b] = db
         sums[b] = total
         usable = db > 0 and db < np.inf
+        qsum = 0
         for i in range(block_size):
             pos = i // 2 + (i % 2) * half if bits == 4 else i
-            value = np.int8(0)
+            value = 0
             if usable:
                 r = np.rint(x[base + i] / db)
                 if r >= -127 and r <= 127:
-                    value = np.int8(r)
+                    value = int(r)
             q[base + pos] = value
+            qsum += value
+        dq[b] = db * np.float32(qsum)
 
 
 @jit_kernel
-def q8_quantize(x, bits, block_size, q, d, sums):
+def q8_quantize(x, bits, block_size, q, d, dq, sums):
     """:func:`q8_quantize_row` for every row of ``x``."""
     for m in range(x.shape[0]):
-        q8_quantize_row(x[m], bits, block_size, q[m], d[m], sums[m])
+        q8_quantize_row(x[m], bits, block_size, q[m], d[m], dq[m], sums[m])
 
 
 def _variants(num_rows):
@@ -207,84 +223,84 @@ _o4_16, _o4_16o, _o4_32, _o4_32o, _o8_16, _o8_16o, _o8_32, _o8_32o = _variants(1
 
 
 @jit_kernel
-def _four(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+def _four(c, z, s, o, q, d, v, u, lo, hi, m, out, bits, block_size):
     """Outputs ``lo .. hi - 1`` of 4 rows from ``m`` on (``c, z, s, o``: the
-    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
-    scales, sums)."""
+    weight's codes, zeros, scales, offsets; ``q, d, v, u``: the rows' values,
+    scales, scaled sums, block sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _f4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _f4_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if bits == 4:
-            return _f4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _f4_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if block_size == 32:
-            return _f8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
-        return _f8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _f8_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
+        return _f8_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _f4_32(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _f4_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4:
-        return _f4_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _f4_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if block_size == 32:
-        return _f8_32(c, z, s, o, q, d, u, lo, hi, m, out)
-    return _f8_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _f8_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    return _f8_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
 
 
 @jit_kernel
-def _two(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+def _two(c, z, s, o, q, d, v, u, lo, hi, m, out, bits, block_size):
     """Outputs ``lo .. hi - 1`` of 2 rows from ``m`` on (``c, z, s, o``: the
-    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
-    scales, sums)."""
+    weight's codes, zeros, scales, offsets; ``q, d, v, u``: the rows' values,
+    scales, scaled sums, block sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _t4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _t4_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if bits == 4:
-            return _t4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _t4_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if block_size == 32:
-            return _t8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
-        return _t8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _t8_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
+        return _t8_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _t4_32(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _t4_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4:
-        return _t4_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _t4_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if block_size == 32:
-        return _t8_32(c, z, s, o, q, d, u, lo, hi, m, out)
-    return _t8_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _t8_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    return _t8_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
 
 
 @jit_kernel
-def _one(c, z, s, o, q, d, u, lo, hi, m, out, bits, block_size):
+def _one(c, z, s, o, q, d, v, u, lo, hi, m, out, bits, block_size):
     """Outputs ``lo .. hi - 1`` of 1 row from ``m`` on (``c, z, s, o``: the
-    weight's codes, zeros, scales, offsets; ``q, d, u``: the rows' values,
-    scales, sums)."""
+    weight's codes, zeros, scales, offsets; ``q, d, v, u``: the rows' values,
+    scales, scaled sums, block sums)."""
     if o.shape[1] != 0:
         if bits == 4 and block_size == 32:
-            return _o4_32o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _o4_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if bits == 4:
-            return _o4_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _o4_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
         if block_size == 32:
-            return _o8_32o(c, z, s, o, q, d, u, lo, hi, m, out)
-        return _o8_16o(c, z, s, o, q, d, u, lo, hi, m, out)
+            return _o8_32o(c, z, s, o, q, d, v, u, lo, hi, m, out)
+        return _o8_16o(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4 and block_size == 32:
-        return _o4_32(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _o4_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if bits == 4:
-        return _o4_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _o4_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
     if block_size == 32:
-        return _o8_32(c, z, s, o, q, d, u, lo, hi, m, out)
-    return _o8_16(c, z, s, o, q, d, u, lo, hi, m, out)
+        return _o8_32(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    return _o8_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
 
 
 @jit_kernel
-def _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
+def _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
     """Outputs ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
     if lo >= hi:
         return
     num_rows = q.shape[0]
     fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
     for m in range(0, fours, 4):
-        _four(codes, zeros, scales, offsets, q, d, sums, lo, hi, m, out, bits, block_size)
+        _four(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, m, out, bits, block_size)
     if twos > fours:
-        _two(codes, zeros, scales, offsets, q, d, sums, lo, hi, fours, out, bits, block_size)
+        _two(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, fours, out, bits, block_size)
     if num_rows > twos:
-        _one(codes, zeros, scales, offsets, q, d, sums, lo, hi, twos, out, bits, block_size)
+        _one(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, twos, out, bits, block_size)
 
 
 @jit_kernel
@@ -298,21 +314,37 @@ def _lane(bits, block_size, pos):
 
 
 @jit_kernel
-def _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+def _block_term(zeros, scales, offsets, dq, sums, n, m, b):
+    """``offset * s - (scale * zero) * dq`` of block ``b`` (see the module docstring)."""
+    minus = (scales[n, b] * np.float32(zeros[n, b])) * dq[m, b]
+    if offsets.shape[1] != 0:
+        return offsets[n, b] * sums[m, b] - minus
+    return -minus
+
+
+@jit_kernel
+def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
                     out):
     """:func:`_chunk_avx2`'s outputs, the same operations in plain loops."""
     num_blocks = scales.shape[1]
+    groups = num_blocks // 8
     half = block_size // 2
-    with_offsets = offsets.shape[1] != 0
     lanes = np.empty(8, np.int64)
     acc = np.empty(8, np.float32)
+    terms = np.empty(8, np.float32)
     for n in range(lo, hi):
         for m in range(q.shape[0]):
+            terms[:] = 0
+            for g in range(groups):
+                for j in range(8):
+                    terms[j] = terms[j] + _block_term(zeros, scales, offsets, dq, sums, n, m,
+                                                      8 * g + j)
+            tail = np.float32(0.0)
+            for b in range(8 * groups, num_blocks):
+                tail = tail + _block_term(zeros, scales, offsets, dq, sums, n, m, b)
             acc[:] = 0
-            off = np.float32(0.0)
             for b in range(num_blocks):
                 lanes[:] = 0
-                zero = np.int64(zeros[n, b])
                 for pos in range(block_size):
                     if bits == 4:
                         byte = np.int64(codes[n, b * half + pos % half])
@@ -320,64 +352,69 @@ def _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size,
                     else:
                         code = np.int64(codes[n, b * block_size + pos])
                     lanes[_lane(bits, block_size, pos)] += \
-                        (code - zero) * np.int64(q[m, b * block_size + pos])
+                        code * np.int64(q[m, b * block_size + pos])
                 sd = scales[n, b] * d[m, b]
                 for lane in range(8):
                     acc[lane] = acc[lane] + sd * np.float32(lanes[lane])
-                if with_offsets:
-                    off = off + offsets[n, b] * sums[m, b]
-            width = 4
-            while width:
-                for i in range(width):
-                    acc[i] = acc[i] + acc[i + width]
-                width //= 2
-            out[m, n] = acc[0] + off if with_offsets else acc[0]
+            _tree(acc)
+            _tree(terms)
+            out[m, n] = (acc[0] + terms[0]) + tail
 
 
 @jit_kernel
-def _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
+def _tree(lanes):
+    """``lanes[0]``: the 8 lanes summed as a fixed tree (width 4, 2, 1)."""
+    width = 4
+    while width:
+        for i in range(width):
+            lanes[i] = lanes[i] + lanes[i + width]
+        width //= 2
+
+
+@jit_kernel
+def _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
     if HAS_AVX2:
-        _chunk_avx2(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+        _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
     else:
-        _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+        _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
                         out)
 
 
 @jit_kernel(parallel=True)
-def q8_gemm(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+def q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out):
     """Every output of the quantized rows (see the module docstring); the AVX2
     kernel where the host has it."""
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
 
 
 @jit_kernel(parallel=True)
-def _matmul_parallel(x, q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
+def _matmul_parallel(x, q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
                      out):
     """:func:`q8_quantize` then :func:`q8_gemm`, one call from Python."""
-    q8_quantize(x, bits, block_size, q, d, sums)
+    q8_quantize(x, bits, block_size, q, d, dq, sums)
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
 
 
 @jit_kernel
-def _matmul_serial(x, q, d, sums, codes, zeros, scales, offsets, bits, block_size, out):
+def _matmul_serial(x, q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, out):
     """:func:`_matmul_parallel` on the calling thread (no parallel region to start)."""
-    q8_quantize(x, bits, block_size, q, d, sums)
-    _chunk(q, d, sums, codes, zeros, scales, offsets, bits, block_size, 0, codes.shape[0],
+    q8_quantize(x, bits, block_size, q, d, dq, sums)
+    _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, 0, codes.shape[0],
            out)
 
 
 @jit_kernel(parallel=True)
-def q8_gemm_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
+def q8_gemm_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
                      out):
     """:func:`q8_gemm` in plain Numba loops: the same bits, on any CPU."""
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk_portable(q, d, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
+        _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
                         out)
