@@ -133,8 +133,9 @@ def test_head_level_0_the_default_keeps_an_8_bit_tied_head_in_blocks_for_the_eng
     inits = _initializers(model)
     assert "embed" not in inits and "embed.qweight" in inits     # rows gathered from blocks
     assert [o.name for o in model.graph.output][0] == "hidden"
-    assert {p.key: p.value for p in model.metadata_props} == {"pagedkv_np.lm_head":
-                                                              "lm_head.npz"}
+    props = {p.key: p.value for p in model.metadata_props}
+    assert props["pagedkv_np.lm_head"] == "lm_head.npz"
+    assert set(props) == {"pagedkv_np.lm_head", "pagedkv_np.geometry"}
     assert not any(n.op_type == "MatMulNBits" and n.input[1] == "embed.qweight"
                    for n in model.graph.node)
     parts, softcap = read_head(exact / "lm_head.npz")

@@ -25,7 +25,7 @@ from numba import prange
 
 from .jit import jit_kernel
 
-__all__ = ["rms_norm", "head_norm", "rope", "write_kv", "attend", "gated",
+__all__ = ["rms_norm", "head_norm", "rope", "write_kv", "attend", "attend_serial", "gated",
            "float_matmul", "embed_float", "embed_blocks", "add_into", "ACT_SILU",
            "ACT_GELU_TANH"]
 
@@ -98,40 +98,57 @@ def _dot(a, a_off, k, n):
     return t
 
 
-@jit_kernel(parallel=True, fastmath=_FAST)
-def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale, out):
-    """Each query head of ``x[b]`` attends to the keys of
-    ``kbuf[b]`` / ``vbuf[b]`` at positions ``0 .. positions[b]`` (the last
-    ``window`` of them when ``window > 0``): softmax of the scaled scores,
-    then the weighted sum of values, into ``out[b, h * head_dim:]``."""
-    groups = num_heads // num_kv_heads
-    for job in prange(x.shape[0] * num_heads):
-        b, h = job // num_heads, job % num_heads
-        kv = h // groups
-        last = positions[b]
-        first = max(0, last - window + 1) if window > 0 else 0
-        scores = np.empty(last - first + 1, np.float32)
-        q = x[b]
-        qo = h * head_dim
-        top = np.float32(-np.inf)
-        for t in range(first, last + 1):
-            s = _dot(q, qo, kbuf[b, kv, t], head_dim) * np.float32(scale)
-            scores[t - first] = s
-            top = max(top, s)
-        total = np.float32(0.0)
-        for t in range(scores.shape[0]):
-            e = np.float32(math.exp(scores[t] - top))
-            scores[t] = e
-            total += e
-        acc = np.zeros(head_dim, np.float32)
-        for t in range(first, last + 1):
-            p = scores[t - first]
-            v = vbuf[b, kv, t]
-            for i in range(head_dim):
-                acc[i] += p * v[i]
-        inv = np.float32(1.0) / total
+@jit_kernel(fastmath=_FAST)
+def _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                scale, out):
+    """Query head ``job % num_heads`` of sequence ``job // num_heads``."""
+    b, h = job // num_heads, job % num_heads
+    kv = h // (num_heads // num_kv_heads)
+    last = positions[b]
+    first = max(0, last - window + 1) if window > 0 else 0
+    scores = np.empty(last - first + 1, np.float32)
+    q = x[b]
+    qo = h * head_dim
+    top = np.float32(-np.inf)
+    for t in range(first, last + 1):
+        s = _dot(q, qo, kbuf[b, kv, t], head_dim) * np.float32(scale)
+        scores[t - first] = s
+        top = max(top, s)
+    total = np.float32(0.0)
+    for t in range(scores.shape[0]):
+        e = np.float32(math.exp(scores[t] - top))
+        scores[t] = e
+        total += e
+    acc = np.zeros(head_dim, np.float32)
+    for t in range(first, last + 1):
+        p = scores[t - first]
+        v = vbuf[b, kv, t]
         for i in range(head_dim):
-            out[b, qo + i] = acc[i] * inv
+            acc[i] += p * v[i]
+    inv = np.float32(1.0) / total
+    for i in range(head_dim):
+        out[b, qo + i] = acc[i] * inv
+
+
+@jit_kernel(parallel=True)
+def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale, out):
+    """Each query head of ``x[b]`` attends to the keys of ``kbuf[b]`` /
+    ``vbuf[b]`` at positions ``0 .. positions[b]`` (the last ``window`` of
+    them when ``window > 0``): softmax of the scaled scores, then the
+    weighted sum of values, into ``out[b, h * head_dim:]``. Heads in parallel."""
+    for job in prange(x.shape[0] * num_heads):
+        _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                    scale, out)
+
+
+@jit_kernel
+def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale,
+                  out):
+    """:func:`attend` on the calling thread (the same bits): for short pasts,
+    where a parallel region costs more than it saves."""
+    for job in range(x.shape[0] * num_heads):
+        _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                    scale, out)
 
 
 @jit_kernel

@@ -84,7 +84,7 @@ def _model_name(model: Any, model_folder: Any) -> str:
     return f"<{type(model).__name__}>"
 
 
-def _engine_head(source: Any, head_file: str, threads: int | None) -> BlockHead:
+def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool) -> BlockHead:
     """The head a graph's metadata names, beside its file, compiled now."""
     if not isinstance(source, str):
         raise UnsupportedModelError(
@@ -94,13 +94,14 @@ def _engine_head(source: Any, head_file: str, threads: int | None) -> BlockHead:
         raise UnsupportedModelError(f"the model names an LM head file {head_file!r} outside "
                                     "its folder")
     head = BlockHead(os.path.join(os.path.dirname(os.path.abspath(source)), head_file),
-                     threads)
+                     threads, int8)
     head.warmup()
     return head
 
 
 def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, family: str,
-                   providers: list | None, threads: int | None) -> NativeDecode | None:
+                   providers: list | None, threads: int | None,
+                   int8: bool) -> NativeDecode | None:
     """The engine's own decode step where the graph allows it and ``wanted``
     is not False; True where it cannot be is a ConfigError."""
     if wanted is not None and not isinstance(wanted, bool):
@@ -112,12 +113,17 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         why = "the graph is not of the gqa family"
     elif providers and any(p != "CPUExecutionProvider" for p in providers):
         why = "the session runs on another provider than the CPU's"
+    if not isinstance(int8, bool):
+        raise DTypeError(f"Invalid int8_activations: expected a bool, got {int8!r}")
+    if int8 and (wanted is False or why is not None):
+        raise ConfigError("Invalid int8_activations: they need the engine's own decode step, "
+                          f"and {why or 'native_decode is False'}")
     if wanted is False or (why is not None and wanted is None):
         return None
     if why is not None:
         raise ConfigError(f"Invalid native_decode: {why}")
     native = NativeDecode.from_source(source, proto, geometry_from_json(facts.geometry),
-                                      threads, with_head=facts.head_file is None)
+                                      threads, with_head=facts.head_file is None, int8=int8)
     native.warmup()
     return native
 
@@ -190,6 +196,11 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         graph built by :mod:`pagedkv_np.models.graph` (it carries its
         geometry) of the ``"gqa"`` family on the CPU provider. Default: where
         it can.
+    int8_activations : bool
+        The engine's decode step, and an LM head the engine runs, multiply
+        block weights by activations rounded to int8 per block (as llama.cpp
+        does): faster, not exact, still deterministic
+        (:mod:`pagedkv_np.backends.block_q8`).
     text : TextCodec, optional
         The tokenizer and chat template for the text methods
         (:class:`~pagedkv_np.onnxruntime.textgen.TextGenerationMixin`).
@@ -230,7 +241,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                  providers: list | None = None, disk_cache: Any = None,
                  disk_cache_bytes: int | None = None, redis_url: str | None = None,
                  hash_secret: bytes | None = None, tier_options: dict | None = None,
-                 kv_dtype: Any = None, native_decode: bool | None = None, text: Any = None,
+                 kv_dtype: Any = None, native_decode: bool | None = None,
+                 int8_activations: bool = False, text: Any = None,
                  model_folder: Any = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
@@ -247,7 +259,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
         native = _native_decode(native_decode, source, proto, facts, family, providers,
-                                self.threads.threads)
+                                self.threads.threads, int8_activations)
         del proto
         options = self.threads.session_options(session_options)
         self.session = make_session(source, options, providers)
@@ -255,7 +267,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
         head = None
         if facts.head_file is not None:
-            head = _engine_head(source, facts.head_file, self.threads.threads)
+            head = _engine_head(source, facts.head_file, self.threads.threads,
+                                int8_activations)
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from ..backends.block_gemv import BlockWeight, block_matmul
+from ..backends.block_q8 import q8_matmul
 from ..errors import ShapeError
 from ..models.head_file import HEAD_FILE, read_head
 
@@ -38,6 +39,9 @@ class BlockHead:
         The head file (:func:`~pagedkv_np.models.head_file.read_head`).
     threads : int, optional
         Numba threads for a call (default: leave the caller's).
+    int8 : bool
+        Round the hidden states to int8 per block first
+        (:func:`~pagedkv_np.backends.block_q8.q8_matmul`): faster, not exact.
 
     Attributes
     ----------
@@ -46,12 +50,14 @@ class BlockHead:
         ``cap * tanh(logits / cap)`` after the product; 0: none.
     """
 
-    def __init__(self, path: str | os.PathLike, threads: int | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, threads: int | None = None,
+                 int8: bool = False) -> None:
         parts, self.softcap = read_head(path)
         self.weight = BlockWeight.from_nbits(parts)
         self.hidden_size = self.weight.in_features
         self.vocab_size = self.weight.out_features
         self.threads = threads
+        self.int8 = int8
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
@@ -75,7 +81,7 @@ class BlockHead:
                              f"got {hidden.shape}")
         rows = np.ascontiguousarray(hidden.reshape(-1, self.hidden_size), dtype=np.float32)
         with self._threads():
-            logits = block_matmul(rows, self.weight)
+            logits = (q8_matmul if self.int8 else block_matmul)(rows, self.weight)
         if self.softcap:
             cap = np.float32(self.softcap)
             np.tanh(logits / cap, out=logits)

@@ -33,19 +33,26 @@ import numpy as np
 
 from ..backends import decode_ops as ops
 from ..backends.block_gemv import BlockWeight, block_matmul
+from ..backends.block_q8 import q8_matmul
 from ..errors import ConfigError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
 
 __all__ = ["NativeDecode", "NativeLinear"]
 
 _CHUNKS_PER_THREAD = 8
+# multiply-adds of one layer's attention (positions x heads x head_dim) from which
+# its heads run in parallel: SmolLM2 (9 heads of 64) from about 100 positions
+_PARALLEL_ATTENTION = 1 << 16
 
 
 class NativeLinear:
-    """``x @ w`` for a weight in blocks (:class:`BlockWeight`) or float32 ``[K, N]``."""
+    """``x @ w`` for a weight in blocks (:class:`BlockWeight`) or float32 ``[K, N]``;
+    ``int8``: blocks multiply activations rounded to int8 per block
+    (:func:`~pagedkv_np.backends.block_q8.q8_matmul`), not float32 ones."""
 
-    def __init__(self, weight: BlockWeight | np.ndarray) -> None:
+    def __init__(self, weight: BlockWeight | np.ndarray, int8: bool = False) -> None:
         self.weight = weight
+        self.int8 = int8
         if isinstance(weight, BlockWeight):
             self.in_features, self.out_features = weight.in_features, weight.out_features
         else:
@@ -53,7 +60,7 @@ class NativeLinear:
 
     def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         if isinstance(self.weight, BlockWeight):
-            return block_matmul(x, self.weight, out=out)
+            return (q8_matmul if self.int8 else block_matmul)(x, self.weight, out=out)
         import numba
 
         chunks = min(self.out_features, numba.get_num_threads() * _CHUNKS_PER_THREAD)
@@ -116,23 +123,23 @@ def _weight(init: _Initializers, blocks: dict, name: str) -> BlockWeight | np.nd
     return init.floats(name) if name in init else None
 
 
-def _linears(init: _Initializers, blocks: dict, packed: str,
-             parts: list[str]) -> list[NativeLinear]:
+def _linears(init: _Initializers, blocks: dict, packed: str, parts: list[str],
+             int8: bool) -> list[NativeLinear]:
     """One packed linear, else one per part."""
     w = _weight(init, blocks, packed)
     if w is not None:
-        return [NativeLinear(w)]
+        return [NativeLinear(w, int8)]
     found = [_weight(init, blocks, name) for name in parts]
     if any(w is None for w in found):
         raise UnsupportedModelError(f"the graph has neither {packed!r} nor all of {parts}")
-    return [NativeLinear(w) for w in found]   # type: ignore[arg-type]
+    return [NativeLinear(w, int8) for w in found]   # type: ignore[arg-type]
 
 
 class _Layer:
     def __init__(self, init: _Initializers, blocks: dict, c: DecoderGeometry, i: int,
-                 tables: tuple[np.ndarray, np.ndarray]) -> None:
+                 tables: tuple[np.ndarray, np.ndarray], int8: bool) -> None:
         p = f"l{i}."
-        self.qkv = _linears(init, blocks, p + "wqkv", [p + "wq", p + "wk", p + "wv"])
+        self.qkv = _linears(init, blocks, p + "wqkv", [p + "wq", p + "wk", p + "wv"], int8)
         bias = None
         if c.qkv_bias:
             bias = (init.floats(p + "bqkv") if p + "bqkv" in init else
@@ -140,9 +147,9 @@ class _Layer:
         self.bias = bias
         self.q_norm = init.floats(p + "q_norm") if c.qk_norm else None
         self.k_norm = init.floats(p + "k_norm") if c.qk_norm else None
-        self.wo = NativeLinear(_required(init, blocks, p + "wo"))
-        self.gate_up = _linears(init, blocks, p + "w_gate_up", [p + "w_gate", p + "w_up"])
-        self.down = NativeLinear(_required(init, blocks, p + "w_down"))
+        self.wo = NativeLinear(_required(init, blocks, p + "wo"), int8)
+        self.gate_up = _linears(init, blocks, p + "w_gate_up", [p + "w_gate", p + "w_up"], int8)
+        self.down = NativeLinear(_required(init, blocks, p + "w_down"), int8)
         self.attn_norm = init.floats(p + "attn_norm")
         self.mlp_norm = init.floats(p + "mlp_norm")
         self.post_attn = init.floats(p + "post_attn_norm") if c.post_norms else None
@@ -171,6 +178,9 @@ class NativeDecode:
         The folder of the model file, for external data.
     threads : int, optional
         Numba threads for a step (default: leave the caller's).
+    int8 : bool
+        Multiply block weights by activations rounded to int8 per block
+        (:mod:`pagedkv_np.backends.block_q8`): faster, not exact.
     with_head : bool
         Compute logits (the graph's own head); False when the engine runs a
         head of its own (:class:`~pagedkv_np.onnxruntime.head.BlockHead`) on
@@ -178,8 +188,10 @@ class NativeDecode:
     """
 
     def __init__(self, proto: Any, geometry: DecoderGeometry, base: str | None = None,
-                 threads: int | None = None, with_head: bool = True) -> None:
+                 threads: int | None = None, with_head: bool = True,
+                 int8: bool = False) -> None:
         c = self.geometry = geometry
+        self.int8 = int8
         init = _Initializers(proto, base)
         blocks = _block_attrs(init.nodes)
         gqa = [n for n in init.nodes if n.op_type == "GroupQueryAttention"]
@@ -191,7 +203,7 @@ class NativeDecode:
             key = (node.input[7], node.input[8])
             if key not in tables:
                 tables[key] = (init.floats(key[0]), init.floats(key[1]))
-        self.layers = [_Layer(init, blocks, c, i, tables[(node.input[7], node.input[8])])
+        self.layers = [_Layer(init, blocks, c, i, tables[(node.input[7], node.input[8])], int8)
                        for i, node in enumerate(gqa)]
         self.max_positions = min(t[0].shape[0] for t in tables.values())
         embed = _required(init, blocks, "embed")
@@ -203,17 +215,18 @@ class NativeDecode:
             if head is None:             # tied: the embedding's blocks, or its transpose
                 head = embed if isinstance(embed, BlockWeight) else \
                     np.ascontiguousarray(embed.T)
-            self.head = NativeLinear(head)
+            self.head = NativeLinear(head, int8)
         self.threads = threads
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
     def from_source(cls, source: Any, proto: Any, geometry: DecoderGeometry,
-                    threads: int | None = None, with_head: bool = True) -> NativeDecode:
+                    threads: int | None = None, with_head: bool = True,
+                    int8: bool = False) -> NativeDecode:
         """From what :func:`~pagedkv_np.onnxruntime.session.load_model` returned."""
         base = os.path.dirname(os.path.abspath(source)) if isinstance(source, str) else None
-        return cls(proto, geometry, base, threads, with_head)
+        return cls(proto, geometry, base, threads, with_head, int8)
 
     @property
     def out_features(self) -> int:
@@ -310,6 +323,9 @@ class NativeDecode:
         else:
             ops.embed_float(e, tokens, np.float32(c.embed_scale), x)
         eps, hd = np.float32(c.rms_eps), c.head_dim
+        # heads in parallel once the pasts are long enough to pay for a parallel region
+        work = int(positions.sum()) * c.num_heads * hd
+        attend = ops.attend if work >= _PARALLEL_ATTENTION else ops.attend_serial
         for layer, (kbuf, vbuf) in zip(self.layers, kv):
             ops.rms_norm(x, layer.attn_norm, eps, h)
             q, k, v = self._run(layer.qkv, h, bufs, "qkv", ["q", "k", "v"])
@@ -322,8 +338,8 @@ class NativeDecode:
             ops.rope(q, c.num_heads, hd, layer.cos, layer.sin, positions)
             ops.rope(k, c.num_kv_heads, hd, layer.cos, layer.sin, positions)
             ops.write_kv(k, v, c.num_kv_heads, hd, kbuf, vbuf, positions)
-            ops.attend(q, c.num_heads, c.num_kv_heads, hd, kbuf, vbuf, positions,
-                       layer.window, np.float32(c.query_scale), bufs["attn"])
+            attend(q, c.num_heads, c.num_kv_heads, hd, kbuf, vbuf, positions,
+                   layer.window, np.float32(c.query_scale), bufs["attn"])
             o = layer.wo(bufs["attn"], bufs["o"])
             if layer.post_attn is not None:
                 ops.rms_norm(o, layer.post_attn, eps, o)
