@@ -194,3 +194,53 @@ def test_geometry_travels_in_the_metadata():
             p.value = geometry_json(dataclasses.replace(c, num_layers=4))
     with pytest.raises(UnsupportedModelError, match="GroupQueryAttention"):
         OrtDecoder(wrong, native_decode=True)
+
+
+def _stepped(decoder: OrtDecoder, prompt: list[int], n: int) -> list[int]:
+    """One request's tokens as a stream: each step's new tokens, as they come."""
+    rid = decoder.add_request(prompt, max_new_tokens=n)
+    out: list[int] = []
+    for _ in range(4 * n + 8):
+        if decoder.is_finished(rid):
+            break
+        out += decoder.step().get(rid, [])
+    assert decoder.pop_output(rid) == out
+    return out
+
+
+def test_int8_activations_are_deterministic():
+    c = GEOMETRIES["gemma3"]
+    weights = _weights(c, "q4_1", seed=5)
+    model = build_decoder(c, weights, family="gqa")
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (5, 12, 9, 3)]
+    fresh = OrtDecoder(model, eos_token_id=[], int8_activations=True, page_size=4,
+                       enable_prefix_caching=False)
+    assert all(lin.int8 for layer in fresh._batcher.runner.step.layers
+               for lin in layer.qkv + layer.gate_up + [layer.wo, layer.down])
+    alone = [fresh.generate([p], max_new_tokens=14)[0] for p in prompts]
+    assert fresh.generate(prompts, max_new_tokens=14) == alone          # in a batch
+    cached = OrtDecoder(model, eos_token_id=[], int8_activations=True, page_size=4)
+    cached.generate(prompts, max_new_tokens=14)
+    assert [cached.generate([p], max_new_tokens=14)[0] for p in prompts] == alone
+    assert cached.stats["prefix_hit_tokens"] > 0
+    assert [_stepped(cached, p, 14) for p in prompts] == alone          # streamed
+    # close to the exact numbers: most tokens are the full recompute's argmax
+    agree = total = 0
+    for prompt, out in zip(prompts, alone):
+        want = _reference(c, weights, prompt + out)[len(prompt) - 1:-1].argmax(-1)
+        agree += int((want == np.array(out)).sum())
+        total += len(out)
+    assert agree >= 0.8 * total
+
+
+def test_int8_activations_need_the_native_decode():
+    c = GEOMETRIES["llama"]
+    weights = _weights(c, "q4_0")
+    with pytest.raises(ConfigError, match="int8"):
+        OrtDecoder(build_decoder(c, weights, family="gqa"), native_decode=False,
+                   int8_activations=True)
+    with pytest.raises(ConfigError, match="int8"):
+        OrtDecoder(build_decoder(c, weights, family="optimum"), int8_activations=True)
+    with pytest.raises(DTypeError):
+        OrtDecoder(build_decoder(c, weights, family="gqa"), int8_activations=1)
