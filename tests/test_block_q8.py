@@ -64,14 +64,25 @@ def _codes_ref(w: BlockWeight) -> np.ndarray:
     return codes
 
 
-def _lanes_ref(bits: int, block_size: int) -> np.ndarray:
-    """The lane of each natural input of a block (docstring's position order and
-    lane map)."""
+def _lanes_ref(bits: int, block_size: int, paired: bool) -> np.ndarray:
+    """The lane of each natural input of a block (the docstring's lane map)."""
     i = np.arange(block_size)
-    pos = i // 2 + (i % 2) * (block_size // 2) if bits == 4 else i
-    if block_size == 16:
-        return pos // 2
-    return pos // 4 if bits == 4 else (pos // 2) % 8
+    if bits == 8:
+        return i // 2 if block_size == 16 else (i // 2) % 8
+    if paired:
+        return i // 8
+    pos = (i % 2) * (block_size // 2) + i // 2
+    return pos // 2 if block_size == 16 else pos // 4
+
+
+def _row_index_ref(bits: int, block_size: int, num_blocks: int) -> np.ndarray:
+    """Where each natural input of a row goes in the quantized row."""
+    b, i = np.divmod(np.arange(num_blocks * block_size), block_size)
+    if bits == 8:
+        return b * block_size + i
+    paired = (block_size == 32) & (b < num_blocks // 2 * 2)
+    return np.where(paired, b // 2 * 64 + (i % 2) * 32 + (b % 2) * 16 + i // 2,
+                    b * block_size + (i % 2) * (block_size // 2) + i // 2)
 
 
 def _tree(lanes: np.ndarray) -> np.ndarray:
@@ -98,14 +109,19 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
     for b in range(nb // 8 * 8, nb):
         tail = (tail + e[..., b]).astype(np.float32)
     prod = _codes_ref(w)[None] * q[:, None]                                 # [M, N, nb, bs]
-    lane = _lanes_ref(w.bits, w.block_size)
-    p = np.zeros(prod.shape[:3] + (8,), np.int64)
-    for i in range(w.block_size):
-        p[..., lane[i]] += prod[..., i]
     acc = np.zeros((m, n, 8), np.float32)
     for b in range(nb):
-        sd = (w.scales[None, :, b] * d[:, None, b]).astype(np.float32)
-        acc = (acc + (sd[..., None] * p[:, :, b].astype(np.float32))).astype(np.float32)
+        paired = w.bits == 4 and w.block_size == 32 and b < nb // 2 * 2
+        lane = _lanes_ref(w.bits, w.block_size, paired)
+        p = np.zeros((m, n, 8), np.int64)
+        for i in range(w.block_size):
+            p[..., lane[i]] += prod[:, :, b, i]
+        sd = (w.scales[None, :, b] * d[:, None, b]).astype(np.float32)[..., None]
+        if paired:                       # block 2p: lanes 0-3, block 2p + 1: lanes 4-7
+            at = slice(4 * (b % 2), 4 * (b % 2) + 4)
+            acc[..., at] = acc[..., at] + sd * p[..., :4].astype(np.float32)
+        else:
+            acc = (acc + sd * p.astype(np.float32)).astype(np.float32)
     return ((_tree(acc) + _tree(terms)).astype(np.float32) + tail).astype(np.float32)
 
 
@@ -135,17 +151,20 @@ def test_follows_the_documented_order_bitwise(bits, block_size, zero, offsets, k
 
 def test_quantized_row_layout():
     rng = np.random.default_rng(1)
-    x = rng.standard_normal((3, 64)).astype(np.float32)
-    x[1, 5] = 2.5 * (np.abs(x[1, :32]).max() / 127)     # ties round to even
+    k = 96                                   # block 32: a pair, then a block alone
+    x = rng.standard_normal((3, k)).astype(np.float32)
+    x[1, :16] = np.clip(x[1, :16], -1, 1)
+    x[1, 0], x[1, 5], x[1, 7] = 127, 2.5, -3.5     # d = 1: ties round to even
     for bits in (4, 8):
         for bs in (16, 32):
-            q, d, dq, sums = _quantized(x, BlockWeight(bits, bs, 64, 1, np.zeros(
-                (1, 64 * bits // 8), np.uint8), np.zeros((1, 64 // bs), np.uint8),
-                np.ones((1, 64 // bs), np.float32), None))
+            nb = k // bs
+            q, d, dq, sums = _quantized(x, BlockWeight(bits, bs, k, 1, np.zeros(
+                (1, k * bits // 8), np.uint8), np.zeros((1, nb), np.uint8),
+                np.ones((1, nb), np.float32), None))
             want, want_d, want_dq, want_sums = _quantize_ref(x, bits, bs)
-            order = np.arange(bs).reshape(-1, 2).T.ravel() if bits == 4 else np.arange(bs)
-            got = q.reshape(3, -1, bs)[..., np.argsort(order)]
-            np.testing.assert_array_equal(got, want)
+            natural = q[:, _row_index_ref(bits, bs, nb)]
+            np.testing.assert_array_equal(natural, want.reshape(3, k))
+            assert (natural[1, 5], natural[1, 7], d[1, 0]) == (2, -4, 1)
             np.testing.assert_array_equal(d, want_d)
             np.testing.assert_array_equal(dq, want_dq)
             np.testing.assert_array_equal(sums, want_sums)

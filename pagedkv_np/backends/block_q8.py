@@ -23,9 +23,12 @@ of ``block_size`` inputs (the weight's), all float32:
 * ``dq_b = d_b * float(sum_i q_i)`` (one rounding), for the zero points;
 * ``s_b``: the block's float32 inputs summed in order, for the offsets (the
   exact sum, not ``dq_b``, as block_matmul does);
-* the quantized row is stored in *position order*: 4 bits, the block's even
-  inputs then its odd ones (the low then the high nibbles of the codes); 8
-  bits, as they come.
+* the quantized row is laid out for the codes' nibbles: 8 bits, as the
+  inputs come; 4 bits, block 16 and a last block 32 left alone, the block's
+  even inputs then its odd ones; 4 bits, blocks 32 in pairs ``2p, 2p + 1``
+  (64 bytes from ``64p``), the evens of ``2p``, the evens of ``2p + 1``, the
+  odds of ``2p``, the odds of ``2p + 1`` (the low nibbles of the pair's 32
+  code bytes meet its evens, the high nibbles its odds).
 
 The product, per output ``(m, n)``, float32 with one rounding per operation
 (no fused multiply-add). As onnxruntime's int8 kernels do, the zero point
@@ -39,10 +42,14 @@ unsigned-by-signed integer dot:
   ``terms[j] = terms[j] + e_b``, ``g`` in order; the last ``blocks % 8`` to a
   scalar ``tail = tail + e_b`` in order;
 * the block dots, per block ``b`` in order: ``P[l]``, the exact integer sum of
-  ``code * q`` over the block positions of lane ``l`` (4 bits, block 32: lane
-  ``l`` holds positions ``4l .. 4l + 3``; block 16: ``2l, 2l + 1``; 8 bits,
-  block 32: ``2l, 2l + 1, 16 + 2l, 17 + 2l``), then ``sd = scale_nb * d_mb``
-  and, for each of 8 lanes, ``acc[l] = acc[l] + sd * float(P[l])``;
+  ``code * q`` over the inputs ``i`` of lane ``l`` (8 bits, block 16: ``2l,
+  2l + 1``; block 32: those and ``16 + 2l, 17 + 2l``; 4 bits, block 16: with
+  ``pos = (i % 2) * 8 + i // 2``, ``pos // 2 == l``; a last block 32 left
+  alone: ``pos = (i % 2) * 16 + i // 2``, ``pos // 4 == l``), then ``sd =
+  scale_nb * d_mb`` and, for each of 8 lanes, ``acc[l] = acc[l] + sd *
+  float(P[l])``; 4 bits, blocks 32 in pairs: block ``b`` gives 4 lanes,
+  inputs ``8l' .. 8l' + 7`` to lane ``4 (b % 2) + l'``, and only those
+  change, ``acc[l] = acc[l] + sd * float(P[l])``;
 * ``out = (tree(acc) + tree(terms)) + tail``, ``tree`` the 8 lanes summed as
   a fixed tree (``lane[i] += lane[i + width]``, width 4, 2, 1).
 
@@ -57,7 +64,7 @@ validate nothing, :func:`q8_matmul` does)::
 
     q8_quantize_row(x, bits, block_size, q, d, dq, sums)
         x     float32 [K], C-contiguous        (K a multiple of block_size)
-        q     int8    [K]                      written, position order
+        q     int8    [K]                      written, in the layout above
         d     float32 [K // block_size]        written
         dq    float32 [K // block_size]        written
         sums  float32 [K // block_size]        written
@@ -172,12 +179,24 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     return out
 
 
+@jit_kernel
+def _q_index(bits, block_size, num_blocks, b, i):
+    """Where input ``i`` of block ``b`` goes in the quantized row (see the module
+    docstring)."""
+    if bits == 8:
+        return b * block_size + i
+    half = block_size // 2
+    if block_size == 32 and b < num_blocks // 2 * 2:
+        return b // 2 * 64 + i % 2 * 32 + b % 2 * 16 + i // 2
+    return b * block_size + i % 2 * half + i // 2
+
+
 @jit_kernel(error_model="numpy")
 def q8_quantize_row(x, bits, block_size, q, d, dq, sums):
     """One row's int8 values, scales, scaled sums and block sums (see the module
     docstring)."""
-    half = block_size // 2
-    for b in range(x.shape[0] // block_size):
+    num_blocks = x.shape[0] // block_size
+    for b in range(num_blocks):
         base = b * block_size
         amax = np.float32(0.0)
         total = np.float32(0.0)
@@ -193,13 +212,12 @@ def q8_quantize_row(x, bits, block_size, q, d, dq, sums):
         usable = db > 0 and db < np.inf
         qsum = 0
         for i in range(block_size):
-            pos = i // 2 + (i % 2) * half if bits == 4 else i
             value = 0
             if usable:
                 r = np.rint(x[base + i] / db)
                 if r >= -127 and r <= 127:
                     value = int(r)
-            q[base + pos] = value
+            q[_q_index(bits, block_size, num_blocks, b, i)] = value
             qsum += value
         dq[b] = db * np.float32(qsum)
 
@@ -304,13 +322,14 @@ def _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
 
 
 @jit_kernel
-def _lane(bits, block_size, pos):
-    """The accumulator lane of a block position (see the module docstring)."""
+def _lane(bits, block_size, paired, i):
+    """The accumulator lane of input ``i`` of a block (see the module docstring)."""
+    if bits == 8:
+        return i // 2 if block_size == 16 else i // 2 % 8
+    pos = i % 2 * (block_size // 2) + i // 2
     if block_size == 16:
         return pos // 2
-    if bits == 4:
-        return pos // 4
-    return (pos // 2) % 8
+    return i // 8 if paired else pos // 4
 
 
 @jit_kernel
@@ -344,18 +363,24 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
                 tail = tail + _block_term(zeros, scales, offsets, dq, sums, n, m, b)
             acc[:] = 0
             for b in range(num_blocks):
+                paired = bits == 4 and block_size == 32 and b < num_blocks // 2 * 2
                 lanes[:] = 0
-                for pos in range(block_size):
+                for i in range(block_size):
                     if bits == 4:
-                        byte = np.int64(codes[n, b * half + pos % half])
-                        code = byte & 15 if pos < half else byte >> 4
+                        byte = np.int64(codes[n, b * half + i // 2])
+                        code = byte >> 4 if i % 2 else byte & 15
                     else:
-                        code = np.int64(codes[n, b * block_size + pos])
-                    lanes[_lane(bits, block_size, pos)] += \
-                        code * np.int64(q[m, b * block_size + pos])
+                        code = np.int64(codes[n, b * block_size + i])
+                    lanes[_lane(bits, block_size, paired, i)] += code * np.int64(
+                        q[m, _q_index(bits, block_size, num_blocks, b, i)])
                 sd = scales[n, b] * d[m, b]
-                for lane in range(8):
-                    acc[lane] = acc[lane] + sd * np.float32(lanes[lane])
+                if paired:               # lanes 4 (b % 2) .. 4 (b % 2) + 3
+                    for lane in range(4):
+                        at = 4 * (b % 2) + lane
+                        acc[at] = acc[at] + sd * np.float32(lanes[lane])
+                else:
+                    for lane in range(8):
+                        acc[lane] = acc[lane] + sd * np.float32(lanes[lane])
             _tree(acc)
             _tree(terms)
             out[m, n] = (acc[0] + terms[0]) + tail

@@ -6,25 +6,31 @@ of outputs ``n`` for 1, 2 or 4 consecutive quantized rows, in the order that
 
 * the block-term loop, 8 blocks at a time as 8 float lanes (then the last
   ``blocks % 8`` one by one): ``offset * s - (scale * zero) * dq``;
-* the block loop: the exact integer lane sums ``P[l]`` of ``code * q``, then
-  ``acc[l] + (scale * d) * float(P[l])``, a separate multiply and add;
+* the block loop (4 bits, block 32: blocks in pairs, then a last one): the
+  exact integer lane sums ``P[l]`` of ``code * q``, then ``acc[l] + (scale *
+  d) * float(P[l])``, a separate multiply and add;
 * the lanes of both summed as a fixed tree.
 
 The integer part, per block of a weight row (its codes read once for every
 row of the tile), codes unsigned as stored (the zero point is in the block
 term):
 
-* 4 bits, block 32: the 16 code bytes become 32 (low nibbles, then high
-  nibbles: the even inputs, then the odd ones); per row ``maddubs(codes, q)``
-  (u8 x s8 pairs to i16: at most 2 * 15 * 127, no saturation) then
-  ``pmaddwd`` with ones, so lane ``l`` holds positions ``4l .. 4l + 3``.
+* 4 bits, block 32, blocks in pairs: the pair's 32 code bytes split into low
+  and high nibbles (32 bytes each); per row ``maddubs(low, evens) +
+  maddubs(high, odds)`` (u8 x s8 pairs to i16: at most 4 * 15 * 127, no
+  saturation) then ``pmaddwd`` with ones: lanes 0-3 hold the first block,
+  4-7 the second, 8 consecutive inputs a lane; ``scale * d`` of both blocks
+  in one 2-lane product spread to 4 + 4 lanes.
+* 4 bits, a last block 32 alone: its 16 code bytes become 32 (low nibbles,
+  then high), ``maddubs`` and ``pmaddwd`` with ones: lane ``l`` holds
+  positions ``4l .. 4l + 3``.
 * block 16 (4 or 8 bits) and 8 bits, block 32: the codes widened to int16
   (0..255), the row's int8 values widened to int16, ``pmaddwd`` (pairs to
   i32: at most 2 * 255 * 127): lane ``l`` holds positions ``2l, 2l + 1``
   (and, for 32 inputs, ``16 + 2l, 17 + 2l``).
 
-Positions are those of the block's inputs in the quantized row's order (4
-bits: even inputs, then odd; 8 bits: as they come).
+Positions are those of the block's inputs in the quantized row (4 bits: even
+inputs, then odd; 8 bits: as they come).
 """
 
 from __future__ import annotations
@@ -173,6 +179,42 @@ def _block_term(builder, offsets_on, zeros, scales, offsets, rows, at, vty):
     return terms
 
 
+def _paired_dots(builder, codes, scales, rows, num_pairs):
+    """4 bits, block 32: the block dots of blocks ``2p, 2p + 1`` for ``p <
+    num_pairs``, one 32-byte load of codes per pair: lanes 0-3 hold block
+    ``2p``, lanes 4-7 block ``2p + 1``, each lane 8 consecutive inputs (the
+    quantized row holds a pair as its evens, then its odds); the rows' 8-lane
+    accumulators after the pairs."""
+    intp = num_pairs.type
+    p, accs, finish = _loop(builder, "q8_pairs", ir.Constant(intp, 0), num_pairs,
+                            [_ZERO8 for _ in rows])
+    c = _load(builder, codes, builder.mul(p, ir.Constant(intp, 32)), _V32B)
+    mask = ir.Constant(_V32B, [15] * 32)
+    lo = builder.and_(c, mask)
+    hi = builder.and_(builder.lshr(c, ir.Constant(_V32B, [4] * 32)), mask)
+    v2f = ir.VectorType(_F32, 2)
+    at_scale = builder.mul(p, ir.Constant(intp, 2))
+    scale = builder.load(builder.bitcast(builder.gep(scales, [at_scale]), v2f.as_pointer()),
+                         align=4)
+    at_q = builder.mul(p, ir.Constant(intp, 64))
+    ones = ir.Constant(_V16W, [1] * 16)
+    spread = ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1])
+    new = []
+    for acc, (q, d, _, _) in zip(accs, rows):
+        evens = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W,
+                      [lo, _load(builder, q, at_q, _V32B)])
+        odds = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W,
+                     [hi, _load(builder, q, builder.add(at_q, ir.Constant(intp, 32)), _V32B)])
+        lanes = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
+                      [builder.add(evens, odds), ones])     # i16: at most 4 * 15 * 127
+        d2 = builder.load(builder.bitcast(builder.gep(d, [at_scale]), v2f.as_pointer()),
+                          align=4)
+        sd = builder.shuffle_vector(builder.fmul(scale, d2), ir.Constant(v2f, ir.Undefined),
+                                    spread)
+        new.append(builder.fadd(acc, builder.fmul(sd, builder.sitofp(lanes, _V8F))))
+    return finish(new)
+
+
 def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets, rows,
             num_blocks):
     """IR of one output for each of ``rows`` (``(q, d, dq, sums)`` pointers)."""
@@ -189,14 +231,20 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
     terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows, b, _F32)
     tails = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
 
-    b, accs, finish = _loop(builder, "q8_dot", ir.Constant(intp, 0), num_blocks,
-                            [_ZERO8 for _ in rows])
+    accs = [_ZERO8 for _ in rows]
+    single_from = ir.Constant(intp, 0)
+    if bits == 4 and block_size == 32:
+        accs = _paired_dots(builder, codes, scales, rows, builder.sdiv(num_blocks,
+                                                                       ir.Constant(intp, 2)))
+        single_from = builder.mul(builder.sdiv(num_blocks, ir.Constant(intp, 2)),
+                                  ir.Constant(intp, 2))
+    b, phis, finish = _loop(builder, "q8_dot", single_from, num_blocks, accs)
     scale = builder.load(builder.gep(scales, [b]))
     c = _codes(builder, bits, block_size, codes,
                builder.mul(b, ir.Constant(intp, block_size * bits // 8)))
     at_q = builder.mul(b, ir.Constant(intp, block_size))
     new = []
-    for acc, (q, d, _, _) in zip(accs, rows):
+    for acc, (q, d, _, _) in zip(phis, rows):
         p = builder.sitofp(_lane_sums(builder, c, q, at_q), _V8F)
         sd = builder.fmul(scale, builder.load(builder.gep(d, [b])))
         new.append(builder.fadd(acc, builder.fmul(_splat(builder, sd, _V8F), p)))
