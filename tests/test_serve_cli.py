@@ -119,6 +119,8 @@ class TestEngineLimits:
     (["--kv-dtype", "int4"], "--kv-dtype"),
     (["--accuracy-level", "3"], "--accuracy-level"),
     (["--weights", "q2"], "--weights"),
+    (["--int8-activations", "--no-native-decode"],
+     "--int8-activations needs the engine's own decode step: drop --no-native-decode"),
 ])
 def test_bad_options_exit_2_before_loading(args, says):
     """The model does not exist: only the option can be reported."""
@@ -146,7 +148,8 @@ def test_help_shows_defaults():
     text = " ".join(done.stdout.split())
     for flag in ("--kv-dtype", "--kv-cache-memory", "--disk-cache", "--disk-cache-size",
                  "--redis-url", "--max-model-len", "--weights", "--accuracy-level",
-                 "--max-context", "--access-log", "--served-model-name"):
+                 "--max-context", "--access-log", "--served-model-name",
+                 "--int8-activations", "--no-native-decode"):
         assert flag in text
     for default in ("default 512", "default 4GiB", "default q4", "default 8192",
                     "default 0", "default: the model's K/V dtype"):
@@ -284,7 +287,8 @@ class TestFlags:
         assert len(summary) == 1, log
         line = summary[0]
         for part in ("llama", "2 layers", f"context {MAX_MODEL_LEN} tokens", "K/V int8",
-                     "tiers: disk", "batch 2", "spin off", f"127.0.0.1:{server.port}"):
+                     "tiers: disk", "batch 2", "spin off", "decode graph",
+                     f"127.0.0.1:{server.port}"):
             assert part in line, (part, line)
         assert len(re.findall(r"unknown request field 'mystery_field'", log)) == 1, log
         access = [ln for ln in log.splitlines() if "POST /v1/completions 200" in ln]
@@ -296,14 +300,15 @@ class TestFlags:
 
 def test_gguf_import_options(tmp_path, monkeypatch):
     """--weights, --accuracy-level and --max-context reach the import: the
-    served context is --max-context and the imported folder records them."""
+    served context is --max-context and the imported folder records them;
+    --int8-activations reaches the engine's decode step (the summary says so)."""
     from test_gguf_import import write_gguf
 
     path = tmp_path / "tiny.gguf"
     write_gguf(path)
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     server = Server(str(path), "--weights", "q4", "--accuracy-level", "4", "--max-context",
-                    "48", "--num-pages", "16")
+                    "48", "--num-pages", "16", "--int8-activations", log_level="info")
     try:
         with server.http() as http:
             card = http.get("/v1/models").json()["data"][0]
@@ -312,6 +317,8 @@ def test_gguf_import_options(tmp_path, monkeypatch):
             assert r.status_code == 200, r.text
     finally:
         assert server.stop() == 0
+    summary = [line for line in server.output.splitlines() if "serving tiny" in line]
+    assert len(summary) == 1 and "decode native int8 |" in summary[0], server.output
     configs = list((tmp_path / "cache").rglob("config.json"))
     assert len(configs) == 1
     recorded = json.loads(configs[0].read_text())["pagedkv_np"]
@@ -328,3 +335,42 @@ def test_kv_dtype_other_than_the_models_exits_2(tmp_path):
     assert done.returncode == 2, done.stderr
     assert "--kv-dtype float16: the model's K/V are float32" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("flags, int8", [([], False), (["--int8-activations"], True),
+                                         (["--no-native-decode"], None)])
+def test_decode_flags_reach_the_engine(tmp_path, monkeypatch, flags, int8):
+    """A GGUF import is a graph the engine can decode itself: by default it
+    does, --int8-activations makes its step round activations to int8, and
+    --no-native-decode leaves decode steps to onnxruntime's graph."""
+    from test_gguf_import import write_gguf
+
+    from pagedkv_np.onnxruntime.native import NativeDecode
+    from pagedkv_np.serve.command import describe_decode, load_decoder, parse_args
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    decoder = load_decoder(parse_args([str(path), "--num-pages", "16", "--threads", "1",
+                                       *flags]))
+    step = decoder._batcher.runner.step
+    if int8 is None:
+        assert step is None and describe_decode(decoder) == "graph"
+    else:
+        assert isinstance(step, NativeDecode) and step.int8 is int8
+        assert describe_decode(decoder) == ("native int8" if int8 else "native")
+    assert len(decoder.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
+
+
+def test_int8_activations_on_a_graph_the_engine_cannot_decode_exit_2(tmp_path):
+    """The small folder's graph is of the optimum family, which the engine's
+    decode step does not run: the load refuses the flag in one line, and says
+    why."""
+    folder = tmp_path / "tiny-chat"
+    build_folder(folder)
+    done = subprocess.run([sys.executable, "-m", "pagedkv_np", "serve", str(folder),
+                           "--port", str(free_port()), "--int8-activations"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr
+    assert "int8_activations" in done.stderr and "gqa family" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

@@ -3,10 +3,10 @@
 Every option is checked before the model loads (a bad one exits 2 with one
 line); the server then logs one start-up summary (model, architecture,
 layers, context, K/V dtype, pool in tokens and bytes, tiers, batch size,
-threads, chat template, address). Replicas that share a Redis/Valkey tier (``--redis-url``)
-must hash pages alike: they read the same secret from the
-``PAGEDKV_HASH_SECRET`` environment variable (never a command-line
-argument, which ``ps`` shows).
+threads, decode step, chat template, address). Replicas that share a
+Redis/Valkey tier (``--redis-url``) must hash pages alike: they read the
+same secret from the ``PAGEDKV_HASH_SECRET`` environment variable (never a
+command-line argument, which ``ps`` shows).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 from .chat_template import describe_template, read_chat_template, use_chat_template
 
-__all__ = ["check_args", "describe_spin", "limits_of", "load_decoder", "main", "model_name",
-           "parse_args", "session_options", "startup_summary", "thread_budget_of",
-           "HASH_SECRET_ENV"]
+__all__ = ["check_args", "describe_decode", "describe_spin", "limits_of", "load_decoder",
+           "main", "model_name", "parse_args", "session_options", "startup_summary",
+           "thread_budget_of", "HASH_SECRET_ENV"]
 
 _DEFAULT_NAME = "SmolLM2-135M-Instruct"
 #: the environment variable replicas sharing a Redis tier take their hash secret from
@@ -109,6 +109,13 @@ def _parser() -> argparse.ArgumentParser:
     spin.add_argument("--no-spin", dest="spin", action="store_false", default=None,
                       help="idle onnxruntime threads sleep at once (default: they spin for "
                            "at most 50 us)")
+    p.add_argument("--int8-activations", action="store_true",
+                   help="faster decode with activations rounded to int8 per block, as "
+                        "llama.cpp does; not exact, deterministic (needs the engine's own "
+                        "decode step; default: off)")
+    p.add_argument("--no-native-decode", action="store_true",
+                   help="decode through the onnxruntime graph, for comparison (default: the "
+                        "engine's own decode step where the graph allows it)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
@@ -243,6 +250,9 @@ def check_args(args: Any) -> str | None:
     problem = _pool_and_tier_problem(args)
     if problem is not None:
         return problem
+    if args.int8_activations and args.no_native_decode:
+        return ("--int8-activations needs the engine's own decode step: drop "
+                "--no-native-decode")
     num_pages = 1 if args.num_pages is None else args.num_pages
     at_least = [("--num-pages", num_pages, 1), ("--page-size", args.page_size, 1),
                 ("--max-batch-size", args.max_batch_size, 1),
@@ -312,7 +322,9 @@ def load_decoder(args: Any) -> Any:
         folder.path, num_pages=num_pages, page_size=args.page_size,
         max_batch_size=args.max_batch_size,
         enable_prefix_caching=not args.no_prefix_caching,
-        threads=thread_budget_of(args), kv_dtype=args.kv_dtype, **extra)
+        threads=thread_budget_of(args), kv_dtype=args.kv_dtype,
+        native_decode=False if args.no_native_decode else None,
+        int8_activations=args.int8_activations, **extra)
 
 
 def _size(num_bytes: float) -> str:
@@ -337,7 +349,7 @@ def startup_summary(decoder: Any, args: Any, model_id: str) -> str:
             f"pages x {cache.page_size} = {cache.num_pages * cache.page_size} tokens, "
             f"{_size(cache.nbytes)} | tiers: {', '.join(tiers) or 'none'} | batch "
             f"{decoder.max_batch_size}, threads {budget.threads or 'all'}, spin "
-            f"{describe_spin(budget)} | chat template "
+            f"{describe_spin(budget)}, decode {describe_decode(decoder)} | chat template "
             f"{describe_template(getattr(args, 'chat_template', None))} | "
             f"http://{args.host}:{args.port}")
 
@@ -347,6 +359,16 @@ def describe_spin(budget: Any) -> str:
     if not budget.spin:
         return "off" if budget.spin is False else "onnxruntime default"
     return f"{budget.spin_us} us" if budget.spin_us is not None else "on"
+
+
+def describe_decode(decoder: Any) -> str:
+    """Which decode step the engine runs: ``native``, ``native int8`` (int8
+    activations) or ``graph`` (onnxruntime's)."""
+    # the engine names its runner's step only privately; a runner without one runs the graph
+    step = getattr(getattr(decoder, "_runner", None), "step", None)
+    if step is None:
+        return "graph"
+    return "native int8" if getattr(step, "int8", False) else "native"
 
 
 def main(argv: list[str] | None = None) -> int:
