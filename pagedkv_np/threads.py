@@ -34,7 +34,8 @@ from typing import Any
 from .errors import ConfigError, DTypeError
 from .checks import is_int
 
-__all__ = ["SPIN_KEY", "SPIN_US_KEY", "ThreadBudget", "available_cores", "thread_budget"]
+__all__ = ["SPIN_KEY", "SPIN_US_KEY", "StepThreads", "ThreadBudget", "available_cores",
+           "thread_budget"]
 
 #: The onnxruntime session config entry that lets idle intra-op threads spin.
 SPIN_KEY = "session.intra_op.allow_spinning"
@@ -247,3 +248,58 @@ def thread_budget(threads: Any = None, spin: Any = None, *,
                         spin=DEFAULT_SPIN if flag is None else flag,
                         kernel_threads=DEFAULT_KERNEL_THREADS,
                         spin_us=DEFAULT_SPIN_US if flag is None and DEFAULT_SPIN else None)
+
+
+class StepThreads:
+    """The Numba thread count for each step of a loop, chosen by how fast
+    recent steps ran with each.
+
+    On a quiet machine every thread helps a step; beside busy processes a
+    step split over threads waits at each parallel region for a thread that
+    lost its core (a scheduler slice, milliseconds, against regions of tens
+    of microseconds), and one thread is faster. Neither is known ahead, and
+    the load changes: :meth:`pick` returns the count with the lower recent
+    time for steps of this size, and every ``probe_every`` steps the other
+    one, so that a change of load is seen. Kernels whose results do not
+    depend on the thread count (those of the engine's own decode step) give
+    the same numbers either way.
+
+    Parameters
+    ----------
+    most : int
+        The thread count on a quiet machine (1: always 1).
+    probe_every : int
+        Steps between two tries of the count that is not the current choice.
+    """
+
+    #: weight of the newest time in a count's running mean
+    SMOOTHING = 0.3
+
+    def __init__(self, most: int, probe_every: int = 16) -> None:
+        self.most = _count(most, "most", allow_none=False) or 1
+        self.probe_every = _count(probe_every, "probe_every", allow_none=False) or 1
+        self.counts = (self.most, 1) if self.most > 1 else (1,)
+        self._mean: dict[tuple[int, int], float] = {}
+        self._steps = 0
+
+    def pick(self, size: int) -> int:
+        """The thread count for the next step of ``size`` (e.g. its batch)."""
+        self._steps += 1
+        for n in self.counts:
+            if (size, n) not in self._mean:
+                return n
+        best = min(self.counts, key=lambda n: self._mean[(size, n)])
+        if len(self.counts) > 1 and self._steps % self.probe_every == 0:
+            return next(n for n in self.counts if n != best)
+        return best
+
+    def forget(self) -> None:
+        """Drop the times recorded so far (after a warm-up that compiled)."""
+        self._mean.clear()
+
+    def record(self, size: int, threads: int, seconds: float) -> None:
+        """How long a step of ``size`` took with ``threads``."""
+        key = (size, threads)
+        old = self._mean.get(key)
+        self._mean[key] = seconds if old is None else \
+            old + self.SMOOTHING * (seconds - old)

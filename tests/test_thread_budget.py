@@ -302,3 +302,30 @@ def test_serve_spin_flags_and_the_word_the_summary_logs(argv, spin, spin_us, wor
     assert describe_spin(budget) == word
     with pytest.raises(SystemExit):     # argparse: the two exclude each other
         parse_args(["--spin", "--no-spin", "m.gguf"])
+
+
+def test_step_threads_follow_the_faster_count_and_probe_the_other():
+    from pagedkv_np.threads import StepThreads
+
+    st = StepThreads(2, probe_every=4)
+    assert st.counts == (2, 1)
+    times = {2: 0.010, 1: 0.030}              # a quiet machine: 2 threads faster
+    picks = []
+    for _ in range(24):
+        n = st.pick(1)
+        picks.append(n)
+        st.record(1, n, times[n])
+    assert picks[:2] == [2, 1]                # each count tried once
+    assert picks[2:].count(1) == 6            # then the other on every 4th step only
+    times = {2: 0.200, 1: 0.030}              # the load changes: 1 thread now faster
+    for _ in range(24):
+        n = st.pick(1)
+        picks.append(n)
+        st.record(1, n, times[n])
+    assert picks[-8:].count(1) >= 6
+    assert st.pick(8) == 2                    # another size is timed on its own
+    st.forget()
+    assert st.pick(1) == 2
+    assert StepThreads(1).counts == (1,)
+    with pytest.raises(ConfigError):
+        StepThreads(0)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,7 @@ from ..backends.block_gemv import BlockWeight, block_matmul
 from ..backends.block_q8 import q8_matmul
 from ..errors import ConfigError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
+from ..threads import StepThreads
 
 __all__ = ["NativeDecode", "NativeLinear"]
 
@@ -177,7 +179,9 @@ class NativeDecode:
     base : str, optional
         The folder of the model file, for external data.
     threads : int, optional
-        Numba threads for a step (default: leave the caller's).
+        Numba threads for a step on a quiet machine (default: the caller's
+        count); a step takes 1 instead while that has been faster lately
+        (:class:`~pagedkv_np.threads.StepThreads`).
     int8 : bool
         Multiply block weights by activations rounded to int8 per block
         (:mod:`pagedkv_np.backends.block_q8`): faster, not exact.
@@ -216,7 +220,12 @@ class NativeDecode:
                 head = embed if isinstance(embed, BlockWeight) else \
                     np.ascontiguousarray(embed.T)
             self.head = NativeLinear(head, int8)
-        self.threads = threads
+        import numba
+
+        pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+        #: the thread count of each step: ``threads`` (default Numba's) on a quiet
+        #: machine, 1 when that has been faster lately (see StepThreads)
+        self.step_threads = StepThreads(min(threads or numba.get_num_threads(), pool))
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
@@ -240,20 +249,22 @@ class NativeDecode:
         kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
               for _ in range(c.num_layers)]
         self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+        self.step_threads.forget()
 
     @contextlib.contextmanager
-    def _numba_threads(self) -> Iterator[None]:
-        if self.threads is None:
-            yield
-            return
+    def _numba_threads(self, size: int) -> Iterator[None]:
+        """Numba threads for a step of ``size`` rows, as :attr:`step_threads`
+        picks them, restored after; the step's time is recorded."""
         import numba
 
         before = numba.get_num_threads()
-        numba.set_num_threads(min(self.threads,
-                                  int(numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+        n = self.step_threads.pick(size)
+        numba.set_num_threads(n)
+        start = time.perf_counter()
         try:
             yield
         finally:
+            self.step_threads.record(size, n, time.perf_counter() - start)
             numba.set_num_threads(before)
 
     def _buffers_for(self, b: int) -> dict[str, np.ndarray]:
@@ -308,7 +319,7 @@ class NativeDecode:
                               f"{positions.max()} for capacity {capacity} / "
                               f"{self.max_positions}, or a token outside the vocabulary")
         bufs = self._buffers_for(b)
-        with self._numba_threads():
+        with self._numba_threads(b):
             return self._step(tokens, positions, kv, bufs)
 
     def _step(self, tokens, positions, kv, bufs) -> np.ndarray:
