@@ -38,6 +38,13 @@ medians over rounds, with pagedkv's figure over llama.cpp's as a ratio
 the two are compared text for text (llama.cpp quantizes activations to 8
 bits in its dot products, so they may part after a while).
 
+pagedkv decodes through the engine's own kernels by default;
+``--int8`` rounds their activations to int8 per block as llama.cpp does
+(``int8_activations=True``, ``pagedkv serve --int8-activations``), and
+``--graph-decode`` decodes through the onnxruntime graph instead
+(``native_decode=False``, ``--no-native-decode``), for comparison. The
+header line names the configuration that ran.
+
 ``--quick`` needs no llama.cpp: the peer is a plain onnxruntime loop (one
 request at a time, no cache, the same model file) behind a minimal
 streaming HTTP server in this script; small workloads, 1 round. It checks
@@ -187,13 +194,33 @@ class Server:
             os.unlink(self.log.name)
 
 
+def engine_options(args) -> dict[str, Any]:
+    """The OrtDecoder options of ``--int8`` and ``--graph-decode``."""
+    if args.graph_decode:
+        return {"native_decode": False}
+    return {"int8_activations": True} if args.int8 else {}
+
+
+def serve_flags(args) -> list[str]:
+    """The same options as ``pagedkv serve`` flags."""
+    if args.graph_decode:
+        return ["--no-native-decode"]
+    return ["--int8-activations"] if args.int8 else []
+
+
+def describe_decode(args) -> str:
+    if args.graph_decode:
+        return "onnxruntime graph"
+    return "native, int8 activations" if args.int8 else "native, float32 activations"
+
+
 def start_server(kind: str, args, gguf: str) -> Server:
     port = free_port()
     if kind == "pagedkv":
         return Server([sys.executable, "-m", "pagedkv_np", "serve", gguf, "--port", str(port),
                        "--num-pages", str(args.context // 16), "--max-batch-size",
                        str(args.parallel), "--max-queue", "1024", "--threads",
-                       str(args.threads), "--log-level", "warning"], port)
+                       str(args.threads), "--log-level", "warning", *serve_flags(args)], port)
     if kind == "llama.cpp":
         return Server([str(args.bins / "llama-server"), "-m", gguf, "--host", "127.0.0.1",
                        "--port", str(port), "-t", str(args.threads), "-np", str(args.parallel),
@@ -425,7 +452,8 @@ async def run_workload(base: str, workload: str, args) -> dict:
 def tg_ours(args, depth: int) -> float:
     from pagedkv_np.onnxruntime import OrtDecoder
 
-    dec = OrtDecoder.from_pretrained(None, threads=args.threads, num_pages=(depth + 128) // 16 + 8)
+    dec = OrtDecoder.from_pretrained(None, threads=args.threads,
+                                     num_pages=(depth + 128) // 16 + 8, **engine_options(args))
     prompt = _depth_prompt(dec.text, depth)
     dec.generate([prompt[:8]], max_new_tokens=2, eos_token_id=[])
     rid = dec.add_request(prompt, max_new_tokens=65, eos_token_id=[])
@@ -468,6 +496,7 @@ def one_run(kind: str, workload: str, args, gguf: str) -> dict:
         cmd = [sys.executable, __file__, "--tg-child", kind, "--threads", str(args.threads)]
         if args.quick:
             cmd.append("--quick")
+        cmd += ["--int8"] * args.int8 + ["--graph-decode"] * args.graph_decode
         return json.loads(subprocess.run(cmd, capture_output=True, text=True,
                                          check=True).stdout.splitlines()[-1])
     server = start_server(kind, args, gguf)
@@ -507,6 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2, help="build jobs")
     parser.add_argument("--build-only", action="store_true")
     parser.add_argument("--quick", action="store_true")
+    decode = parser.add_mutually_exclusive_group()
+    decode.add_argument("--int8", action="store_true",
+                        help="pagedkv's decode step rounds activations to int8 per block, as "
+                             "llama.cpp does (--int8-activations; not exact)")
+    decode.add_argument("--graph-decode", action="store_true",
+                        help="pagedkv decodes through the onnxruntime graph, not its own "
+                             "kernels (--no-native-decode), for comparison")
     parser.add_argument("--json", help="also write every round's figures here")
     parser.add_argument("--plain-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tg-child", help=argparse.SUPPRESS)
@@ -533,8 +569,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     kinds = ("pagedkv", peer)
     workloads = [w for w in args.workloads.split(",") if w]
-    print(f"model: {gguf}; {args.threads} threads; {args.parallel} in parallel; "
-          f"{args.rounds} rounds; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(f"model: {gguf}; pagedkv decode: {describe_decode(args)}; {args.threads} threads; "
+          f"{args.parallel} in parallel; {args.rounds} rounds; load average "
+          f"{os.getloadavg()[0]:.1f}", flush=True)
 
     def progress(r: int, key: tuple[str, str], run: dict) -> None:
         short = {k: round(v, 3) for k, v in _figures(key[1], run).items()}
