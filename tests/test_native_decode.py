@@ -244,3 +244,13 @@ def test_int8_activations_need_the_native_decode():
         OrtDecoder(build_decoder(c, weights, family="optimum"), int8_activations=True)
     with pytest.raises(DTypeError):
         OrtDecoder(build_decoder(c, weights, family="gqa"), int8_activations=1)
+
+
+def test_int8_activations_follow_the_graphs_accuracy_level():
+    c = GEOMETRIES["llama"]
+    weights = _weights(c, "q4_0")
+    level4 = build_decoder(c, weights, family="gqa", accuracy_level=4)
+    assert OrtDecoder(level4)._batcher.runner.step.int8
+    assert not OrtDecoder(level4, int8_activations=False)._batcher.runner.step.int8
+    assert not OrtDecoder(build_decoder(c, weights, family="gqa"))._batcher.runner.step.int8
+    assert OrtDecoder(level4, native_decode=False)._batcher.runner.step is None

@@ -101,7 +101,7 @@ def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool) -
 
 def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, family: str,
                    providers: list | None, threads: int | None,
-                   int8: bool) -> NativeDecode | None:
+                   int8: bool | None) -> NativeDecode | None:
     """The engine's own decode step where the graph allows it and ``wanted``
     is not False; True where it cannot be is a ConfigError."""
     if wanted is not None and not isinstance(wanted, bool):
@@ -113,8 +113,8 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         why = "the graph is not of the gqa family"
     elif providers and any(p != "CPUExecutionProvider" for p in providers):
         why = "the session runs on another provider than the CPU's"
-    if not isinstance(int8, bool):
-        raise DTypeError(f"Invalid int8_activations: expected a bool, got {int8!r}")
+    if int8 is not None and not isinstance(int8, bool):
+        raise DTypeError(f"Invalid int8_activations: expected a bool or None, got {int8!r}")
     if int8 and (wanted is False or why is not None):
         raise ConfigError("Invalid int8_activations: they need the engine's own decode step, "
                           f"and {why or 'native_decode is False'}")
@@ -123,7 +123,8 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
     if why is not None:
         raise ConfigError(f"Invalid native_decode: {why}")
     native = NativeDecode.from_source(source, proto, geometry_from_json(facts.geometry),
-                                      threads, with_head=facts.head_file is None, int8=int8)
+                                      threads, with_head=facts.head_file is None,
+                                      int8=facts.int8_matmuls if int8 is None else int8)
     native.warmup()
     return native
 
@@ -196,11 +197,14 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         graph built by :mod:`pagedkv_np.models.graph` (it carries its
         geometry) of the ``"gqa"`` family on the CPU provider. Default: where
         it can.
-    int8_activations : bool
+    int8_activations : bool, optional
         The engine's decode step, and an LM head the engine runs, multiply
         block weights by activations rounded to int8 per block (as llama.cpp
         does): faster, not exact, still deterministic
-        (:mod:`pagedkv_np.backends.block_q8`).
+        (:mod:`pagedkv_np.backends.block_q8`). Default: where the graph's own
+        block products do so too (every MatMulNBits node at
+        ``accuracy_level=4``, as a GGUF imported with ``accuracy_level=4``)
+        and the engine's decode step runs.
     text : TextCodec, optional
         The tokenizer and chat template for the text methods
         (:class:`~pagedkv_np.onnxruntime.textgen.TextGenerationMixin`).
@@ -242,7 +246,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                  disk_cache_bytes: int | None = None, redis_url: str | None = None,
                  hash_secret: bytes | None = None, tier_options: dict | None = None,
                  kv_dtype: Any = None, native_decode: bool | None = None,
-                 int8_activations: bool = False, text: Any = None,
+                 int8_activations: bool | None = None, text: Any = None,
                  model_folder: Any = None) -> None:
         self.max_batch_size = check_positive_int(max_batch_size, "max_batch_size")
         self.write_interval = check_positive_int(write_interval, "write_interval")
@@ -268,7 +272,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         head = None
         if facts.head_file is not None:
             head = _engine_head(source, facts.head_file, self.threads.threads,
-                                int8_activations)
+                                native.int8 if native is not None else False)
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]

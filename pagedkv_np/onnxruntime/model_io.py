@@ -119,6 +119,9 @@ class GraphFacts:
     #: the JSON geometry a graph built by :mod:`pagedkv_np.models.graph` carries
     #: (:func:`pagedkv_np.models.geometry.geometry_json`)
     geometry: str | None = None
+    #: whether every MatMulNBits node quantizes its activations to int8
+    #: (``accuracy_level`` 4; False without such nodes)
+    int8_matmuls: bool = False
 
 
 # ops that pass a table through without changing its first axis' bound
@@ -174,8 +177,11 @@ def graph_facts(model: Any) -> GraphFacts:
     graph = model.graph
     op_types = frozenset(node.op_type for node in graph.node)
     props = {p.key: p.value for p in model.metadata_props}
+    levels = [next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
+              for node in graph.node if node.op_type == "MatMulNBits"]
     return GraphFacts("GroupQueryAttention" in op_types, _position_rows(graph), op_types,
-                      props.get(METADATA_KEY), props.get(GEOMETRY_KEY))
+                      props.get(METADATA_KEY), props.get(GEOMETRY_KEY),
+                      bool(levels) and all(level == 4 for level in levels))
 
 
 def _static_dim(shape: list, axis: int, name: str, what: str, override: int | None) -> int:
