@@ -144,9 +144,10 @@ def test_engine_greedy_matches_full_recompute(arch):
 def test_native_decode_is_default_where_it_can_be():
     c = GEOMETRIES["llama"]
     model = build_decoder(c, _weights(c, None), family="gqa")
-    steps = OrtDecoder(model)._batcher.runner.step
-    assert isinstance(steps, NativeDecode)
-    assert OrtDecoder(model, native_decode=False)._batcher.runner.step is None
+    decoder = OrtDecoder(model)
+    assert isinstance(decoder.native, NativeDecode)
+    assert decoder._batcher.runner.step is decoder.native      # the runner's decode steps
+    assert OrtDecoder(model, native_decode=False).native is None
 
 
 def test_native_decode_refuses_what_it_cannot_run():
@@ -160,7 +161,7 @@ def test_native_decode_refuses_what_it_cannot_run():
     del bare.metadata_props[:]
     with pytest.raises(ConfigError, match="geometry"):
         OrtDecoder(bare, native_decode=True)
-    assert OrtDecoder(bare)._batcher.runner.step is None
+    assert OrtDecoder(bare).native is None
     with pytest.raises(DTypeError):
         OrtDecoder(build_decoder(c, weights, family="gqa"), native_decode="yes")
 
@@ -216,7 +217,7 @@ def test_int8_activations_are_deterministic():
     prompts = [rng.integers(0, c.vocab_size, n).tolist() for n in (5, 12, 9, 3)]
     fresh = OrtDecoder(model, eos_token_id=[], int8_activations=True, page_size=4,
                        enable_prefix_caching=False)
-    assert all(lin.int8 for layer in fresh._batcher.runner.step.layers
+    assert all(lin.int8 for layer in fresh.native.layers
                for lin in layer.qkv + layer.gate_up + [layer.wo, layer.down])
     alone = [fresh.generate([p], max_new_tokens=14)[0] for p in prompts]
     assert fresh.generate(prompts, max_new_tokens=14) == alone          # in a batch
@@ -250,7 +251,7 @@ def test_int8_activations_follow_the_graphs_accuracy_level():
     c = GEOMETRIES["llama"]
     weights = _weights(c, "q4_0")
     level4 = build_decoder(c, weights, family="gqa", accuracy_level=4)
-    assert OrtDecoder(level4)._batcher.runner.step.int8
-    assert not OrtDecoder(level4, int8_activations=False)._batcher.runner.step.int8
-    assert not OrtDecoder(build_decoder(c, weights, family="gqa"))._batcher.runner.step.int8
-    assert OrtDecoder(level4, native_decode=False)._batcher.runner.step is None
+    assert OrtDecoder(level4).native.int8
+    assert not OrtDecoder(level4, int8_activations=False).native.int8
+    assert not OrtDecoder(build_decoder(c, weights, family="gqa")).native.int8
+    assert OrtDecoder(level4, native_decode=False).native is None

@@ -353,7 +353,7 @@ def test_decode_flags_reach_the_engine(tmp_path, monkeypatch, flags, int8):
     monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
     decoder = load_decoder(parse_args([str(path), "--num-pages", "16", "--threads", "1",
                                        *flags]))
-    step = decoder._batcher.runner.step
+    step = decoder.native
     if int8 is None:
         assert step is None and describe_decode(decoder) == "graph"
     else:

@@ -230,6 +230,9 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         a prompt of ``n``).
     cache : PagedKVCache
     session : onnxruntime.InferenceSession
+    native : NativeDecode or None
+        The engine's own decode step (None: the graph decodes); its ``int8``
+        says whether it rounds activations to int8.
     threads : ThreadBudget
         onnxruntime's threads, and the kernels' in :meth:`step` and :meth:`abort`.
     """
@@ -262,8 +265,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         facts = graph_facts(proto)
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
-        native = _native_decode(native_decode, source, proto, facts, family, providers,
-                                self.threads.threads, int8_activations)
+        self.native = native = _native_decode(native_decode, source, proto, facts, family,
+                                              providers, self.threads.threads, int8_activations)
         del proto
         options = self.threads.session_options(session_options)
         self.session = make_session(source, options, providers)

@@ -364,8 +364,7 @@ def describe_spin(budget: Any) -> str:
 def describe_decode(decoder: Any) -> str:
     """Which decode step the engine runs: ``native``, ``native int8`` (int8
     activations) or ``graph`` (onnxruntime's)."""
-    # the engine names its runner's step only privately; a runner without one runs the graph
-    step = getattr(getattr(decoder, "_runner", None), "step", None)
+    step = getattr(decoder, "native", None)
     if step is None:
         return "graph"
     return "native int8" if getattr(step, "int8", False) else "native"
