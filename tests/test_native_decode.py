@@ -255,3 +255,23 @@ def test_int8_activations_follow_the_graphs_accuracy_level():
     assert not OrtDecoder(level4, int8_activations=False).native.int8
     assert not OrtDecoder(build_decoder(c, weights, family="gqa")).native.int8
     assert OrtDecoder(level4, native_decode=False).native is None
+
+
+def test_a_tied_engine_head_shares_its_blocks_with_the_embedding():
+    from pagedkv_np.backends.block_gemv import BlockWeight
+
+    c = GEOMETRIES["qwen2"]                  # tied
+    weights = _weights(c, "q8_0")
+    native = NativeDecode(build_decoder(c, weights, family="gqa"), c, with_head=False)
+    own = native.embed
+    other = BlockWeight(own.bits, own.block_size, own.in_features, own.out_features,
+                        own.codes.copy(), own.zeros.copy(), own.scales.copy(), None)
+    other.scales[3, 0] += 1                  # not the same values: kept apart
+    assert not native.share_embedding(other) and native.embed is own
+    same = BlockWeight(own.bits, own.block_size, own.in_features, own.out_features,
+                       own.codes.copy(), own.zeros.copy(), own.scales.copy(),
+                       None if own.offsets is None else own.offsets.copy())
+    tokens = [5, 9, 1]
+    before = _decode_all(native, c, tokens)
+    assert native.share_embedding(same) and native.embed is same
+    np.testing.assert_array_equal(_decode_all(native, c, tokens), before)

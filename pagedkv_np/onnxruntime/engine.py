@@ -277,6 +277,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
             head = _engine_head(source, facts.head_file, self.threads.threads,
                                 native.int8 if native is not None else False)
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
+            if native is not None:
+                native.share_embedding(head.weight)      # a tied head: one copy of its blocks
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]
         self.max_positions: int | None = min(limits) if limits else None

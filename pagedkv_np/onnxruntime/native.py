@@ -237,6 +237,26 @@ class NativeDecode:
         base = os.path.dirname(os.path.abspath(source)) if isinstance(source, str) else None
         return cls(proto, geometry, base, threads, with_head, int8)
 
+    def share_embedding(self, weight: BlockWeight) -> bool:
+        """Read embedding rows from ``weight`` (an engine-side head's blocks)
+        instead of this step's own copy, when they hold the same values (a
+        tied head): one copy of them in memory. Returns whether they did."""
+        own = self.embed
+        if not isinstance(own, BlockWeight) or (own.bits, own.block_size, own.in_features,
+                                                 own.out_features) != (
+                weight.bits, weight.block_size, weight.in_features, weight.out_features):
+            return False
+        pairs = [(own.codes, weight.codes), (own.zeros, weight.zeros),
+                 (own.scales, weight.scales)]
+        if (own.offsets is None) != (weight.offsets is None):
+            return False
+        if own.offsets is not None:
+            pairs.append((own.offsets, weight.offsets))
+        if not all(np.array_equal(a, b) for a, b in pairs):
+            return False
+        self.embed = weight
+        return True
+
     @property
     def out_features(self) -> int:
         c = self.geometry
