@@ -248,10 +248,10 @@ class NativeDecode:
             return False
         pairs = [(own.codes, weight.codes), (own.zeros, weight.zeros),
                  (own.scales, weight.scales)]
-        if (own.offsets is None) != (weight.offsets is None):
-            return False
-        if own.offsets is not None:
+        if own.offsets is not None and weight.offsets is not None:
             pairs.append((own.offsets, weight.offsets))
+        elif (own.offsets is None) != (weight.offsets is None):
+            return False
         if not all(np.array_equal(a, b) for a, b in pairs):
             return False
         self.embed = weight
