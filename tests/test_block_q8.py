@@ -219,8 +219,9 @@ def test_rows_are_independent_of_the_batch_and_threads(bits, block_size, offsets
 @pytest.mark.parametrize("bits,block_size,zero,offsets", CASES)
 def test_avx2_and_portable_agree_bitwise(bits, block_size, zero, offsets):
     rng = np.random.default_rng(3)
-    w = _weight(rng, bits, block_size, 128, 41, zero, offsets)
-    x = rng.standard_normal((7, 128)).astype(np.float32)
+    # 160 inputs: blocks of 32, two pairs and one alone; of 16, a group of 8 and 2
+    w = _weight(rng, bits, block_size, 160, 41, zero, offsets)
+    x = rng.standard_normal((7, 160)).astype(np.float32)
     q, d, dq, sums = _quantized(x, w)
     offs = w.offsets if w.offsets is not None else np.zeros((41, 0), np.float32)
     fast, slow = np.empty((7, 41), np.float32), np.empty((7, 41), np.float32)
