@@ -288,3 +288,27 @@ def test_bad_input_raises_typed_errors_and_writes_nothing():
         q8_matmul(x, w, out=frozen)
     with pytest.raises(DTypeError):
         q8_matmul(x, object())
+
+
+@numba.njit
+def _jitted_caller(x, codes, zeros, scales, offsets, bits, block_size, out):
+    """What a jitted decode loop does once per layer: quantize, then multiply."""
+    nb = x.shape[1] // block_size
+    q = np.empty(x.shape, np.int8)
+    d = np.empty((x.shape[0], nb), np.float32)
+    dq = np.empty((x.shape[0], nb), np.float32)
+    sums = np.empty((x.shape[0], nb), np.float32)
+    q8_quantize(x, bits, block_size, q, d, dq, sums)
+    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
+            min(codes.shape[0], 8), out)
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_callable_from_a_jitted_function(offsets):
+    rng = np.random.default_rng(6)
+    w = _weight(rng, 4, 32, 96, 23, 8, offsets)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    out = np.empty((3, 23), np.float32)
+    offs = w.offsets if w.offsets is not None else np.zeros((23, 0), np.float32)
+    _jitted_caller(x, w.codes, w.zeros, w.scales, offs, 4, 32, out)
+    np.testing.assert_array_equal(out, q8_matmul(x, w))
