@@ -6,11 +6,12 @@
 points, scales, optional offsets, ``w[k, n] = (code - zero) * scale +
 offset``), but first rounds each row's inputs to int8 per weight block, so the
 block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, as llama.cpp
-does for q8 activations x q4 weights). It is for decoding (M = 1): faster than
-the float32 kernel and than onnxruntime's MatMulNBits with int8 activations
-(``accuracy_level=4``), and unlike the latter deterministic: row ``m``'s
-outputs depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count
-or the tile the row lands in.
+does for q8 activations x q4 weights). It is for decoding (M = 1): on one
+thread 2.5-2.9x the float32 kernel's rate on SmolLM2's body shapes and about
+onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 0.92x
+to 1.7x its rate), and unlike the latter deterministic: row ``m``'s outputs
+depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count or the
+tile the row lands in.
 
 Activation quantization (:func:`q8_quantize_row`), per row and per block ``b``
 of ``block_size`` inputs (the weight's), all float32:
@@ -31,10 +32,11 @@ of ``block_size`` inputs (the weight's), all float32:
   code bytes meet its evens, the high nibbles its odds).
 
 The product, per output ``(m, n)``, float32 with one rounding per operation
-(no fused multiply-add). As onnxruntime's int8 kernels do, the zero point
-leaves the inner loop: ``sum_i (code_i - zero) * scale * d * q_i = scale * d
-* sum_i code_i q_i - (scale * zero) * dq``, so the loop over codes is a plain
-unsigned-by-signed integer dot:
+(no fused multiply-add). The zero point leaves the inner loop, as llama.cpp's
+q4_1 x q8_1 dot keeps the block minimum out with the q8 block's ``d * sum
+q``: ``sum_i (code_i - zero) * scale * d * q_i = scale * d * sum_i code_i q_i
+- (scale * zero) * dq``, so the loop over codes is a plain unsigned-by-signed
+integer dot:
 
 * the block terms ``e_b = offset_nb * s_mb - (scale_nb * float(zero_nb)) *
   dq_mb`` (without offsets ``e_b = -((scale_nb * float(zero_nb)) * dq_mb)``):
@@ -123,12 +125,16 @@ process, CPU time: the zero point out of the inner loop took 576 x 960 Q4_1
 from 54 to 39 µs (kernel, wall); blocks of 32 in pairs 1.09-1.18x more at
 M = 1 (1.09-1.45x at M = 4). Tried without a gain: ``scale * d`` from a
 per-call buffer, two outputs interleaved per loop, prefetching the codes of
-outputs 4 ahead. On 2 threads at this load (4.2-5.8), every Numba parallel
-region (q8_matmul's and block_matmul's alike) took 4-15 ms a call for shapes
-that need 0.1-0.4 ms on one thread: the OpenMP join waits for a thread that
-gets no core while other processes hold both (``workqueue``: 0.3-0.5 ms);
-onnxruntime's pool, where the caller does the chunks no worker took, stays
-at 0.04-1 ms. Under such load, call with ``numba.set_num_threads(1)`` (then
+outputs 4 ahead, the last ``blocks % 8`` block terms as lanes of one vector
+over the last 8 blocks (1-3%, within the noise; the block terms take 13-27%
+of the time with offsets, 3-15% without, measured by leaving them out).
+
+On 2 threads at this load (4.2-5.8), every Numba parallel region
+(q8_matmul's and block_matmul's alike) took 4-15 ms a call for shapes that
+need 0.1-0.4 ms on one thread (``NUMBA_THREADING_LAYER=workqueue``: 0.3-0.5
+ms), while onnxruntime's own pool stayed at 0.04-1 ms; our reading: the
+OpenMP join waits for a worker that gets no core while other processes hold
+both. Under such load, call with ``numba.set_num_threads(1)`` (then
 :func:`q8_matmul` starts no parallel region).
 
 The module is about 490 lines, 170 of them this docstring: the order it
