@@ -34,8 +34,8 @@ from typing import Any
 from .errors import ConfigError, DTypeError
 from .checks import is_int
 
-__all__ = ["SPIN_KEY", "SPIN_US_KEY", "StepThreads", "ThreadBudget", "available_cores",
-           "thread_budget"]
+__all__ = ["SPIN_KEY", "SPIN_US_KEY", "DEFAULT_GOMP_SPINCOUNT", "StepThreads", "ThreadBudget",
+           "available_cores", "openmp_defaults", "thread_budget"]
 
 #: The onnxruntime session config entry that lets idle intra-op threads spin.
 SPIN_KEY = "session.intra_op.allow_spinning"
@@ -250,6 +250,27 @@ def thread_budget(threads: Any = None, spin: Any = None, *,
                         spin_us=DEFAULT_SPIN_US if flag is None and DEFAULT_SPIN else None)
 
 
+#: Spins (``GOMP_SPINCOUNT``) of an idle OpenMP thread before it sleeps, when
+#: Numba runs its parallel kernels on GNU OpenMP and the user set neither
+#: ``GOMP_SPINCOUNT`` nor ``OMP_WAIT_POLICY``: libgomp's own 300,000 (about
+#: a millisecond) made every parallel region beside two busy processes wait
+#: ~5 ms for a thread that spun on a core it shared (20 tiny regions: 99 ms
+#: median at load 5 on this 2-core machine; 1,000 spins: 8 ms; passive
+#: threads: 5 ms; Numba's workqueue layer: 8 ms); a thousand spins (tens of
+#: microseconds) still catch the next region of a step.
+DEFAULT_GOMP_SPINCOUNT = 1000
+
+
+def openmp_defaults() -> None:
+    """Give GNU OpenMP this package's spin bound (:data:`DEFAULT_GOMP_SPINCOUNT`)
+    unless the environment says otherwise. libgomp reads it when it loads,
+    which Numba does at its first parallel kernel: called before the
+    package's kernels are compiled, it has no effect if the process loaded
+    libgomp earlier."""
+    if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ["GOMP_SPINCOUNT"] = str(DEFAULT_GOMP_SPINCOUNT)
+
+
 class StepThreads:
     """The Numba thread count for each step of a loop, chosen by how fast
     recent steps ran with each.
@@ -281,6 +302,7 @@ class StepThreads:
         self.counts = (self.most, 1) if self.most > 1 else (1,)
         self._mean: dict[tuple[int, int], float] = {}
         self._steps = 0
+        self._last: tuple[int, int] | None = None
 
     def pick(self, size: int) -> int:
         """The thread count for the next step of ``size`` (e.g. its batch)."""
@@ -296,10 +318,15 @@ class StepThreads:
     def forget(self) -> None:
         """Drop the times recorded so far (after a warm-up that compiled)."""
         self._mean.clear()
+        self._last = None
 
     def record(self, size: int, threads: int, seconds: float) -> None:
-        """How long a step of ``size`` took with ``threads``."""
+        """How long a step of ``size`` took with ``threads``: a running mean
+        while the count keeps being chosen; a probe's time replaces what the
+        count had (the load it was measured under may have passed)."""
         key = (size, threads)
         old = self._mean.get(key)
-        self._mean[key] = seconds if old is None else \
+        probe = self._last != key
+        self._last = key
+        self._mean[key] = seconds if old is None or probe else \
             old + self.SMOOTHING * (seconds - old)

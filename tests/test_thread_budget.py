@@ -329,3 +329,18 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
     assert StepThreads(1).counts == (1,)
     with pytest.raises(ConfigError):
         StepThreads(0)
+
+
+@pytest.mark.parametrize("env, want", [({}, "1000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+                                       ({"OMP_WAIT_POLICY": "ACTIVE"}, None)])
+def test_openmp_spin_bound_is_set_before_the_kernels_unless_the_user_set_one(env, want):
+    import subprocess
+    import sys
+
+    clean = {k: v for k, v in os.environ.items()
+             if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    code = ("import os, pagedkv_np.backends.decode_ops; "
+            "print(os.environ.get('GOMP_SPINCOUNT'))")
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
+                         capture_output=True, text=True, timeout=120).stdout.strip()
+    assert out == str(want)

@@ -153,6 +153,9 @@ def jit_kernel(func: Callable | None = None, *, parallel: bool = False,
     if func is None:
         return lambda f: jit_kernel(f, parallel=parallel, error_model=error_model,
                                     fastmath=fastmath)
+    from ..threads import openmp_defaults
+
+    openmp_defaults()           # before Numba's first parallel kernel loads libgomp
     import numba
     from numba.core import config
 
