@@ -448,13 +448,9 @@ def _tree(lanes):
         width //= 2
 
 
-@jit_kernel
-def _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
-    if HAS_AVX2:
-        _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
-    else:
-        _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
-                        out)
+# chosen here, not by a branch in jitted code: a host without AVX2 never
+# compiles the AVX2 intrinsics (its code generator could not select them)
+_chunk = _chunk_avx2 if HAS_AVX2 else _chunk_portable
 
 
 @jit_kernel(parallel=True)
