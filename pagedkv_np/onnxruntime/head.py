@@ -89,8 +89,18 @@ class BlockHead:
         return logits.reshape(hidden.shape[:-1] + (self.vocab_size,))
 
     def warmup(self) -> None:
-        """Compile the kernel now (seconds the first time, then from Numba's cache)."""
+        """Compile the kernel now (seconds the first time, then from Numba's
+        cache), in its serial form too (one thread runs it)."""
+        import numba
+
         self(np.zeros((1, self.hidden_size), np.float32))
+        before = numba.get_num_threads()
+        numba.set_num_threads(1)
+        try:
+            rows = np.zeros((1, self.hidden_size), np.float32)
+            (q8_matmul if self.int8 else block_matmul)(rows, self.weight)
+        finally:
+            numba.set_num_threads(before)
 
 
 def folder_head(folder: str | os.PathLike, threads: int | None = None) -> BlockHead | None:

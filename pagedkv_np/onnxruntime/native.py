@@ -263,12 +263,19 @@ class NativeDecode:
         return c.hidden_size if self.head is None else self.head.out_features
 
     def warmup(self) -> None:
-        """Compile the kernels now (seconds the first time, then from Numba's cache)."""
+        """Compile the kernels now (seconds the first time, then from Numba's
+        cache): a step with each thread count :attr:`step_threads` may pick
+        (one thread runs serial versions of the products), and both forms of
+        attention, so that no step of a request waits for a compile."""
         c = self.geometry
         shape = (1, c.num_kv_heads, 1, c.head_dim)
         kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
               for _ in range(c.num_layers)]
-        self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+        for _ in self.step_threads.counts:       # pick() gives each count once
+            self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+        q = np.zeros((1, c.num_heads * c.head_dim), np.float32)
+        ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, kv[0][0], kv[0][1],
+                   np.zeros(1, np.int64), 0, np.float32(1.0), q.copy())
         self.step_threads.forget()
 
     @contextlib.contextmanager
