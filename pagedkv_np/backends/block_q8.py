@@ -77,8 +77,8 @@ validate nothing, :func:`q8_matmul` does)::
             chunks, out)                       parallel over outputs
         q, d, dq, sums     from q8_quantize (C-contiguous)
         codes, zeros, scales               a BlockWeight's arrays
-        offsets        float32 [N, K // block_size], or float32 [N, 0]
-                       for a weight without offsets
+        offsets        float32 [N, K // block_size], or a float32 2-D
+                       array of shape [*, 0] for a weight without offsets
         chunks         int in 1 .. N: outputs split into this many chunks
                        (q8_matmul: 16 per thread, with
                        numba.set_parallel_chunksize(1) around the call)
@@ -162,6 +162,9 @@ __all__ = ["HAS_AVX2", "q8_matmul", "q8_quantize_row", "q8_quantize", "q8_gemm",
 #: whether the host CPU has AVX2 (then :func:`q8_gemm` runs the LLVM IR kernel)
 HAS_AVX2 = llvm_binding.get_host_cpu_features().get("avx2", False)
 
+# a weight without offsets: the kernels read offsets only when shape[1] != 0
+_NO_OFFSETS = np.zeros((0, 0), np.float32)
+
 # as block_matmul: 16 chunks per thread, handed out one at a time, so that a
 # thread that loses its core on a busy machine holds back one small chunk
 _CHUNKS_PER_THREAD = 16
@@ -211,21 +214,18 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     if m == 0:
         return out
     x = np.ascontiguousarray(x)
-    num_blocks = w.in_features // w.block_size
-    q = np.empty((m, w.in_features), np.int8)
-    d = np.empty((m, num_blocks), np.float32)
-    dq = np.empty((m, num_blocks), np.float32)
-    sums = np.empty((m, num_blocks), np.float32)
-    offsets = w.offsets if w.offsets is not None else np.zeros((n, 0), np.float32)
+    offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
+    # one jitted call that allocates, quantizes and multiplies (the five NumPy
+    # allocations took 5.4 µs a call at load 4.4; numba.get_num_threads() costs
+    # 2-6 µs but in jitted code would keep _matmul out of the disk cache)
     threads = numba.get_num_threads()
-    if threads == 1:                     # no parallel region: a few µs less per call
-        _matmul_serial(x, q, d, dq, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
-                       w.block_size, out)
+    if threads == 1:                     # no parallel region to start
+        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, 0, out)
         return out
     before = numba.set_parallel_chunksize(1)
     try:
-        _matmul_parallel(x, q, d, dq, sums, w.codes, w.zeros, w.scales, offsets, w.bits,
-                         w.block_size, min(n, threads * _CHUNKS_PER_THREAD), out)
+        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size,
+                min(n, threads * _CHUNKS_PER_THREAD), out)
     finally:
         numba.set_parallel_chunksize(before)
     return out
@@ -463,23 +463,22 @@ def q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chu
         _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
 
 
-@jit_kernel(parallel=True)
-def _matmul_parallel(x, q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
-                     out):
-    """:func:`q8_quantize` then :func:`q8_gemm`, one call from Python."""
-    q8_quantize(x, bits, block_size, q, d, dq, sums)
-    n_total = codes.shape[0]
-    for c in prange(chunks):
-        lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
-
-
 @jit_kernel
-def _matmul_serial(x, q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, out):
-    """:func:`_matmul_parallel` on the calling thread (no parallel region to start)."""
+def _matmul(x, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+    """:func:`q8_quantize` into new buffers, then :func:`q8_gemm` in ``chunks``
+    chunks, or on the calling thread when ``chunks`` is 0."""
+    num_rows, k = x.shape
+    num_blocks = k // block_size
+    q = np.empty((num_rows, k), np.int8)
+    d = np.empty((num_rows, num_blocks), np.float32)
+    dq = np.empty((num_rows, num_blocks), np.float32)
+    sums = np.empty((num_rows, num_blocks), np.float32)
     q8_quantize(x, bits, block_size, q, d, dq, sums)
-    _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, 0, codes.shape[0],
-           out)
+    if chunks == 0:
+        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, 0,
+               codes.shape[0], out)
+    else:
+        q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out)
 
 
 @jit_kernel(parallel=True)
