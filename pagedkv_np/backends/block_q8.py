@@ -7,8 +7,8 @@ points, scales, optional offsets, ``w[k, n] = (code - zero) * scale +
 offset``), but first rounds each row's inputs to int8 per weight block, so the
 block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, as llama.cpp
 does for q8 activations x q4 weights). It is for decoding (M = 1): on one
-thread 2.5-2.9x the float32 kernel's rate on SmolLM2's body shapes and about
-onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 0.92x
+thread 2.7-3.3x the float32 kernel's rate on SmolLM2's body shapes and about
+onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 0.95x
 to 1.7x its rate), and unlike the latter deterministic: row ``m``'s outputs
 depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count or the
 tile the row lands in.
@@ -92,7 +92,7 @@ Rows go in tiles of 4, then 2, then 1, sharing each block's unpacked codes;
 each row's arithmetic is the same in every tile.
 
 Figures (``scripts/bench_block_q8.py --threads 1 --rounds 7``, this 2-core
-AMD EPYC VM (AVX2) at load average 4.8-6.0 from other jobs, 2026-12-02;
+AMD EPYC VM (AVX2) at load average 5.8-6.6 from other jobs, 2026-12-02;
 SmolLM2-135M-Instruct Q4_1, layer 10, and the same codes and scales as Q4_0;
 median µs of one call, ``block/q8`` and ``ort4/q8`` the median ratios of
 interleaved rounds; ``err`` max |y - float64| / max |float64| at M = 4,
@@ -100,34 +100,41 @@ onnxruntime's ``accuracy_level=4`` the same to two digits, block_matmul's and
 ``accuracy_level=0``'s 1e-7 to 2e-6)::
 
     weight          K x N     M    q8   block    ort0   ort4   block/q8 ort4/q8  err
-    qkv q4_1      576 x 960   1   114     317     489    174     2.87    1.58
-    qkv q4_1      576 x 960   4   214     474     650    236     1.92    1.10   1.4e-2
-    qkv q4_0      576 x 960   1   123     340     432    147     2.76    1.21
-    qkv q4_0      576 x 960   4   217     397     538    212     1.61    1.10   6.0e-3
-    o q4_1        576 x 576   1    68     168     172     80     2.61    1.61
-    o q4_1        576 x 576   4    88     181     246    106     2.05    1.22   1.2e-2
-    o q4_0        576 x 576   1    60     145     197     65     2.49    1.10
-    o q4_0        576 x 576   4   120     216     340    127     1.75    1.08   6.2e-3
-    gate/up q4_1  576 x 3072  1   254     691    1065    267     2.78    1.07
-    gate/up q4_1  576 x 3072  4   485    1109    1891    512     2.09    0.94   1.2e-2
-    gate/up q4_0  576 x 3072  1   351     959    1302    265     2.75    0.92
-    gate/up q4_0  576 x 3072  4   248     400     794    233     1.65    0.92   5.4e-3
-    down q4_1    1536 x 576   1    88     232     454    151     2.88    1.68
-    down q4_1    1536 x 576   4   233     504     792    237     2.21    0.98   7.3e-3
-    down q4_0    1536 x 576   1    92     215     353     95     2.62    1.27
-    down q4_0    1536 x 576   4   250     380     798    257     1.52    1.05   1.7e-2
-    head q8_0    576 x 49152  1  3794    5904  346747   4998     1.33    1.31
-    head q8_0    576 x 49152  4  5726    6339  356093   7716     1.12    1.37   5.3e-3
+    qkv q4_1      576 x 960   1   118     340     498    173     3.02    1.43
+    qkv q4_1      576 x 960   4   189     433     696    199     2.25    1.03   1.4e-2
+    qkv q4_0      576 x 960   1    76     206     256     77     2.78    1.06
+    qkv q4_0      576 x 960   4   226     386     694    240     1.74    1.08   6.0e-3
+    o q4_1        576 x 576   1    84     226     328    136     2.70    1.63
+    o q4_1        576 x 576   4   154     366     427    178     2.24    1.09   1.2e-2
+    o q4_0        576 x 576   1    67     199     236     98     2.91    1.49
+    o q4_0        576 x 576   4   163     314     446    168     1.71    0.98   6.2e-3
+    gate/up q4_1  576 x 3072  1   383    1039    1680    471     2.67    1.24
+    gate/up q4_1  576 x 3072  4   762    1682    2930    838     2.18    0.98   1.2e-2
+    gate/up q4_0  576 x 3072  1   259     721     964    236     3.05    0.95
+    gate/up q4_0  576 x 3072  4   566     977    2190    535     1.58    0.86   5.4e-3
+    down q4_1    1536 x 576   1   109     322     630    196     3.27    1.69
+    down q4_1    1536 x 576   4   349     706    1130    396     2.13    1.14   7.3e-3
+    down q4_0    1536 x 576   1   109     301     536    149     2.73    1.21
+    down q4_0    1536 x 576   4   259     454     942    313     1.50    1.05   1.7e-2
+    head q8_0    576 x 49152  1 10152   12800  780725  11120     1.33    1.13
+    head q8_0    576 x 49152  4 15458   17665  780955  17026     1.13    1.31   5.3e-3
 
-On one thread at M = 1 the kernel alone runs 13-18 GMAC/s on these shapes
-(CPU time; 576 x 960 fits the 512 KiB L2, 576 x 3072 does not). Steps, same
-process, CPU time: the zero point out of the inner loop took 576 x 960 Q4_1
-from 54 to 39 µs (kernel, wall); blocks of 32 in pairs 1.09-1.18x more at
-M = 1 (1.09-1.45x at M = 4). Tried without a gain: ``scale * d`` from a
-per-call buffer, two outputs interleaved per loop, prefetching the codes of
-outputs 4 ahead, the last ``blocks % 8`` block terms as lanes of one vector
-over the last 8 blocks (1-3%, within the noise; the block terms take 13-27%
-of the time with offsets, 3-15% without, measured by leaving them out).
+At this load absolute times are long (576 x 960 Q4_0, M = 1: 76 µs here,
+35 µs of thread CPU time in the same hour); an earlier run at load 4.8-6.0,
+before the buffers moved into the jitted call, gave ratios within 10% of
+these. On one thread at M = 1 the kernel alone runs 13-18 GMAC/s on these
+shapes (CPU time; 576 x 960 fits the 512 KiB L2, 576 x 3072 does not).
+
+Steps (one thread, same process, against the step before): the output loop
+in the IR (one call per span of outputs) took 576 x 960 Q4_1's kernel from
+101 to 54 µs (wall); the zero point out of the inner loop, to 39 µs; blocks
+of 32 in pairs, 1.09-1.18x at M = 1 (1.09-1.45x at M = 4, CPU time); the
+buffers allocated in the jitted call, 1.09-1.18x on the 576-wide shapes at
+M = 1 (CPU time). Tried without a gain: ``scale * d`` from a per-call
+buffer, two outputs interleaved per loop, prefetching the codes of outputs 4
+ahead, the last ``blocks % 8`` block terms as lanes of one vector over the
+last 8 blocks (1-3%, within the noise; the block terms take 13-27% of the
+time with offsets, 3-15% without, measured by leaving them out).
 
 On 2 threads at this load (4.2-5.8), every Numba parallel region
 (q8_matmul's and block_matmul's alike) took 4-15 ms a call for shapes that
@@ -137,7 +144,7 @@ OpenMP join waits for a worker that gets no core while other processes hold
 both. Under such load, call with ``numba.set_num_threads(1)`` (then
 :func:`q8_matmul` starts no parallel region).
 
-The module is about 490 lines, 170 of them this docstring: the order it
+The module is about 500 lines, 150 of them this docstring: the order it
 documents, the quantization that feeds it and the portable loops that must
 give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 """
