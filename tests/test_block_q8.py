@@ -1,11 +1,14 @@
 """q8_matmul: int8 activations against a weight in quantized blocks follow the
 documented order bit for bit (a NumPy emulation written from the module
-docstring), alone or in any batch, on 1 or 2 threads, on the AVX2 kernel and
-the portable loops alike; stay within the documented bound of a float64
-product; bad input raises a typed error before anything is written."""
+docstring), for random weights and every ggml type as the GGUF importer lays
+it out, alone or in any batch, on 1 or 2 threads, on the AVX2 kernel and the
+portable loops alike, called from Python or from a jitted function; stay
+within the documented bound of a float64 product; bad input raises a typed
+error before anything is written."""
 
 from __future__ import annotations
 
+import gguf
 import numba
 import numpy as np
 import pytest
@@ -16,6 +19,9 @@ from pagedkv_np.backends.block_gemv import BlockWeight
 from pagedkv_np.backends.block_q8 import (HAS_AVX2, q8_gemm, q8_gemm_portable, q8_matmul,
                                           q8_quantize)
 from pagedkv_np.errors import DTypeError, ShapeError
+from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized
+
+from test_gguf_import import random_blocks
 
 
 def _weight(rng, bits: int, block_size: int, k: int, n: int, zero, offsets: bool
@@ -312,3 +318,16 @@ def test_callable_from_a_jitted_function(offsets):
     offs = w.offsets if w.offsets is not None else np.zeros((23, 0), np.float32)
     _jitted_caller(x, w.codes, w.zeros, w.scales, offs, 4, 32, out)
     np.testing.assert_array_equal(out, q8_matmul(x, w))
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS))
+def test_every_ggml_type_as_imported_follows_the_order(kind):
+    """The importer's MatMulNBits parts of each ggml type, passed as they come."""
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    rng = np.random.default_rng(8)
+    parts = BlockQuantized(kind, random_blocks(rng, (19, 512), qtype, 1.0)).matmul_nbits()
+    w = BlockWeight.from_nbits(parts)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    got = q8_matmul(x, parts)
+    np.testing.assert_array_equal(got, _emulate(x, w))
+    np.testing.assert_array_equal(got, q8_matmul(x, w))
