@@ -275,3 +275,28 @@ def test_a_tied_engine_head_shares_its_blocks_with_the_embedding():
     before = _decode_all(native, c, tokens)
     assert native.share_embedding(same) and native.embed is same
     np.testing.assert_array_equal(_decode_all(native, c, tokens), before)
+
+
+@pytest.mark.parametrize("window", [0, 7, 300])
+def test_attention_parallel_and_serial_agree_with_numpy(window):
+    from pagedkv_np.backends import decode_ops as ops
+
+    rng = np.random.default_rng(7)
+    b, heads, kv_heads, d, cap = 3, 6, 2, 32, 700
+    k = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
+    v = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
+    q = (3 * rng.standard_normal((b, heads * d))).astype(np.float32)
+    positions = np.array([0, 650, 299])
+    got = np.empty_like(q)
+    ops.attend(q, heads, kv_heads, d, k, v, positions, window, np.float32(0.2), got)
+    serial = np.empty_like(q)
+    ops.attend_serial(q, heads, kv_heads, d, k, v, positions, window, np.float32(0.2), serial)
+    np.testing.assert_array_equal(got, serial)
+    for row, last in enumerate(positions):
+        first = max(0, last - window + 1) if window else 0
+        for h in range(heads):
+            g = h // (heads // kv_heads)
+            scores = k[row, g, first:last + 1].astype(np.float64) @ q[row, h * d:(h + 1) * d] * 0.2
+            p = np.exp(scores - scores.max())
+            want = (p / p.sum()) @ v[row, g, first:last + 1]
+            np.testing.assert_allclose(got[row, h * d:(h + 1) * d], want, rtol=0, atol=2e-6)

@@ -90,44 +90,80 @@ def write_kv(k, v, num_kv_heads, head_dim, kbuf, vbuf, positions):
                 vbuf[b, h, p, i] = v[b, h * head_dim + i]
 
 
-@jit_kernel(fastmath=_FAST)
-def _dot(a, a_off, k, n):
-    t = np.float32(0.0)
-    for i in range(n):
-        t += a[a_off + i] * k[i]
-    return t
+# exp(r) on |r| <= ln(2) / 2 as 1 + r + r^2 (c0 + c1 r + ... + c5 r^5): the
+# coefficients of Cephes' expf (relative error about 1e-7 over the range)
+_EXP_C = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
+          1.3981999507e-3, 1.9875691500e-4)
+_LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 
 
 @jit_kernel(fastmath=_FAST)
-def _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
-                scale, out):
-    """Query head ``job % num_heads`` of sequence ``job // num_heads``."""
-    b, h = job // num_heads, job % num_heads
-    kv = h // (num_heads // num_kv_heads)
+def _exp_shifted(row, n, top, twos):
+    """``row[:n] = exp(row[:n] - top)`` (every value <= top), vectorized:
+    ``2^k * p(r)`` with ``k`` the nearest integer to ``x / ln 2``, ``p`` a
+    polynomial on the rest and ``2^k`` built from its exponent bits in
+    ``twos`` (int32 scratch of ``n`` or more); ``x`` below -87 counts as -87
+    (``exp(-87)`` is ~1e-38 of the largest term). Returns the sum."""
+    c0, c1, c2, c3, c4, c5 = _EXP_C
+    for t in range(n):
+        x = max(row[t] - top, np.float32(-87.0))
+        k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+        r = x - k * np.float32(_LN2_HI) - k * np.float32(_LN2_LO)
+        poly = (((((np.float32(c5) * r + np.float32(c4)) * r + np.float32(c3)) * r
+                  + np.float32(c2)) * r + np.float32(c1)) * r + np.float32(c0))
+        row[t] = poly * r * r + r + np.float32(1.0)
+        twos[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
+    scale = twos[:n].view(np.float32)
+    total = np.float32(0.0)
+    for t in range(n):
+        row[t] *= scale[t]
+        total += row[t]
+    return total
+
+
+@jit_kernel(fastmath=_FAST)
+def _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                  scale, out):
+    """The query heads that share K/V head ``job % num_kv_heads`` of sequence
+    ``job // num_kv_heads``: each key and value is read once for all of them."""
+    b, kv = job // num_kv_heads, job % num_kv_heads
+    groups = num_heads // num_kv_heads
     last = positions[b]
     first = max(0, last - window + 1) if window > 0 else 0
-    scores = np.empty(last - first + 1, np.float32)
-    q = x[b]
-    qo = h * head_dim
-    top = np.float32(-np.inf)
-    for t in range(first, last + 1):
-        s = _dot(q, qo, kbuf[b, kv, t], head_dim) * np.float32(scale)
-        scores[t - first] = s
-        top = max(top, s)
-    total = np.float32(0.0)
-    for t in range(scores.shape[0]):
-        e = np.float32(math.exp(scores[t] - top))
-        scores[t] = e
-        total += e
-    acc = np.zeros(head_dim, np.float32)
-    for t in range(first, last + 1):
-        p = scores[t - first]
-        v = vbuf[b, kv, t]
+    n = last - first + 1
+    scores = np.empty((groups, n), np.float32)
+    q = np.empty((groups, head_dim), np.float32)
+    for g in range(groups):
+        o = (kv * groups + g) * head_dim
         for i in range(head_dim):
-            acc[i] += p * v[i]
-    inv = np.float32(1.0) / total
-    for i in range(head_dim):
-        out[b, qo + i] = acc[i] * inv
+            q[g, i] = x[b, o + i] * np.float32(scale)
+    keys, values = kbuf[b, kv], vbuf[b, kv]
+    for t in range(n):
+        k = keys[first + t]
+        for g in range(groups):
+            s = np.float32(0.0)
+            for i in range(head_dim):
+                s += q[g, i] * k[i]
+            scores[g, t] = s
+    acc = np.zeros((groups, head_dim), np.float32)
+    twos = np.empty(n, np.int32)
+    for g in range(groups):
+        top = np.float32(-np.inf)
+        for t in range(n):
+            top = max(top, scores[g, t])
+        inv = np.float32(1.0) / _exp_shifted(scores[g], n, top, twos)
+        for t in range(n):
+            scores[g, t] *= inv
+    for t in range(n):
+        v = values[first + t]
+        for g in range(groups):
+            p = scores[g, t]
+            for i in range(head_dim):
+                acc[g, i] += p * v[i]
+    for g in range(groups):
+        o = (kv * groups + g) * head_dim
+        for i in range(head_dim):
+            out[b, o + i] = acc[g, i]
 
 
 @jit_kernel(parallel=True)
@@ -135,10 +171,11 @@ def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, 
     """Each query head of ``x[b]`` attends to the keys of ``kbuf[b]`` /
     ``vbuf[b]`` at positions ``0 .. positions[b]`` (the last ``window`` of
     them when ``window > 0``): softmax of the scaled scores, then the
-    weighted sum of values, into ``out[b, h * head_dim:]``. Heads in parallel."""
-    for job in prange(x.shape[0] * num_heads):
-        _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
-                    scale, out)
+    weighted sum of values, into ``out[b, h * head_dim:]``. The K/V heads of
+    the batch in parallel, each with the query heads that share it."""
+    for job in prange(x.shape[0] * num_kv_heads):
+        _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
+                      window, scale, out)
 
 
 @jit_kernel
@@ -146,9 +183,9 @@ def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, w
                   out):
     """:func:`attend` on the calling thread (the same bits): for short pasts,
     where a parallel region costs more than it saves."""
-    for job in range(x.shape[0] * num_heads):
-        _attend_one(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
-                    scale, out)
+    for job in range(x.shape[0] * num_kv_heads):
+        _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
+                      window, scale, out)
 
 
 @jit_kernel
