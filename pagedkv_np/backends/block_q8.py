@@ -136,15 +136,18 @@ ahead, the last ``blocks % 8`` block terms as lanes of one vector over the
 last 8 blocks (1-3%, within the noise; the block terms take 13-27% of the
 time with offsets, 3-15% without, measured by leaving them out).
 
-On 2 threads at this load (4.2-5.8), every Numba parallel region
-(q8_matmul's and block_matmul's alike) took 4-15 ms a call for shapes that
-need 0.1-0.4 ms on one thread (``NUMBA_THREADING_LAYER=workqueue``: 0.3-0.5
-ms), while onnxruntime's own pool stayed at 0.04-1 ms; our reading: the
-OpenMP join waits for a worker that gets no core while other processes hold
-both. Under such load, call with ``numba.set_num_threads(1)`` (then
-:func:`q8_matmul` starts no parallel region).
+On 2 threads the parallel region is what costs. At load 4.2-5.8 with
+libgomp's default spin count, every Numba parallel region (q8_matmul's and
+block_matmul's alike) took 4-15 ms a call for shapes that need 0.1-0.4 ms on
+one thread, while onnxruntime's own pool stayed at 0.04-1 ms. With this
+package's ``GOMP_SPINCOUNT`` bound (:mod:`pagedkv_np.threads`), at load
+3.5-5.1, q8 on 2 threads took 155-430 µs at M = 1 (``--threads 2 --rounds
+5 --no-head``: 1.45-2.2x block_matmul's rate, 0.27-0.79x onnxruntime
+``accuracy_level=4``'s on 2 threads), no faster than one thread had been
+(67-383 µs, at load 5.8-6.6): for products this small, call with ``numba.set_num_threads(1)`` (then
+:func:`q8_matmul` starts no parallel region) unless the machine is idle.
 
-The module is about 500 lines, 150 of them this docstring: the order it
+The module is about 500 lines, 155 of them this docstring: the order it
 documents, the quantization that feeds it and the portable loops that must
 give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 """
