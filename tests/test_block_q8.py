@@ -70,9 +70,20 @@ def _codes_ref(w: BlockWeight) -> np.ndarray:
     return codes
 
 
-def _lanes_ref(bits: int, block_size: int, paired: bool) -> np.ndarray:
+def _signed_ref(w: BlockWeight) -> bool:
+    """Whether ``w`` takes the signed path: 8 bits, block 32, every ``code -
+    zero`` in -128..127."""
+    if w.bits != 8 or w.block_size != 32:
+        return False
+    diff = _codes_ref(w) - w.zeros[..., None]
+    return bool(((diff >= -128) & (diff <= 127)).all())
+
+
+def _lanes_ref(bits: int, block_size: int, paired: bool, signed: bool = False) -> np.ndarray:
     """The lane of each natural input of a block (the docstring's lane map)."""
     i = np.arange(block_size)
+    if signed:
+        return i // 4
     if bits == 8:
         return i // 2 if block_size == 16 else (i // 2) % 8
     if paired:
@@ -102,8 +113,11 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
     """The documented float32 order, one operation per step."""
     q, d, dq, sums = _quantize_ref(x, w.bits, w.block_size)
     m, n, nb = x.shape[0], w.out_features, d.shape[1]
+    signed = _signed_ref(w)
     zs = (w.scales * w.zeros.astype(np.float32)).astype(np.float32)        # [N, nb]
     minus = (zs[None] * dq[:, None]).astype(np.float32)                     # [M, N, nb]
+    if signed:                           # the zero point is in the codes
+        minus = np.zeros_like(minus)
     if w.offsets is not None:
         e = (w.offsets[None] * sums[:, None]).astype(np.float32) - minus
     else:
@@ -114,11 +128,12 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
     tail = np.zeros((m, n), np.float32)
     for b in range(nb // 8 * 8, nb):
         tail = (tail + e[..., b]).astype(np.float32)
-    prod = _codes_ref(w)[None] * q[:, None]                                 # [M, N, nb, bs]
+    codes = _codes_ref(w) - (w.zeros[..., None] if signed else 0)
+    prod = codes[None] * q[:, None]                                         # [M, N, nb, bs]
     acc = np.zeros((m, n, 8), np.float32)
     for b in range(nb):
         paired = w.bits == 4 and w.block_size == 32 and b < nb // 2 * 2
-        lane = _lanes_ref(w.bits, w.block_size, paired)
+        lane = _lanes_ref(w.bits, w.block_size, paired, signed)
         p = np.zeros((m, n, 8), np.int64)
         for i in range(w.block_size):
             p[..., lane[i]] += prod[:, :, b, i]
@@ -128,6 +143,8 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
             acc[..., at] = acc[..., at] + sd * p[..., :4].astype(np.float32)
         else:
             acc = (acc + sd * p.astype(np.float32)).astype(np.float32)
+    if signed and w.offsets is None:     # no block terms at all
+        return _tree(acc)
     return ((_tree(acc) + _tree(terms)).astype(np.float32) + tail).astype(np.float32)
 
 
@@ -153,6 +170,44 @@ def test_follows_the_documented_order_bitwise(bits, block_size, zero, offsets, k
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[0, :block_size] = 0                     # a block of zeros: d = 0, q = 0
         np.testing.assert_array_equal(q8_matmul(x, w), _emulate(x, w))
+
+
+@pytest.mark.parametrize("offsets", [False, True])
+def test_signed_path_only_where_every_code_minus_zero_fits_int8(offsets):
+    """8 bits, block 32: the extremes -128 and 127 against q = +-127 (a pair of
+    2 * 128 * 127 must not saturate), and a weight with one code out of range
+    taking the unsigned path as a whole."""
+    rng = np.random.default_rng(9)
+    k, n = 160, 13
+    w = _weight(rng, 8, 32, k, n, "mixed", offsets)
+    zeros = rng.integers(0, 256, w.zeros.shape, dtype=np.uint8)
+    low = np.repeat(zeros.astype(np.int64) - 128, 32, axis=1).clip(0, 255)
+    high = np.repeat(zeros.astype(np.int64) + 127, 32, axis=1).clip(0, 255)
+    codes = rng.integers(low, high + 1).astype(np.uint8)
+    codes[0, :32] = 0                    # zero 128: -128 throughout the block
+    codes[1, :32] = 255                  # zero 128: 127
+    zeros[:2, 0] = 128
+    fits = BlockWeight(8, 32, k, n, codes, zeros, w.scales, w.offsets)
+    assert _signed_ref(fits)
+    codes = codes.copy()
+    codes[5, 70], zeros[5, 2] = 255, 0   # 255 - 0 does not fit
+    unfit = BlockWeight(8, 32, k, n, codes, zeros.copy(), w.scales, w.offsets)
+    assert not _signed_ref(unfit)
+    x = rng.standard_normal((6, k)).astype(np.float32)
+    x[0, :32] = 1.0                      # q = 127 throughout the block
+    x[1, :32] = -1.0
+    x[2, :32] = np.where(np.arange(32) % 2, 1.0, -1.0)
+    for weight in (fits, unfit):
+        np.testing.assert_array_equal(q8_matmul(x, weight), _emulate(x, weight))
+    # no saturation: block 0 alone, codes -128 (output 0) and 127 (output 1)
+    only = x[:2].copy()
+    only[:, 32:] = 0
+    y = q8_matmul(only, BlockWeight(8, 32, k, n, fits.codes, fits.zeros, fits.scales, None))
+    d = 1 / 127
+    for out, w_code in ((0, -128), (1, 127)):
+        want = fits.scales[out, 0] * d * w_code * 127 * 32
+        assert y[0, out] == pytest.approx(want, rel=1e-6)
+        assert y[1, out] == pytest.approx(-want, rel=1e-6)
 
 
 def test_quantized_row_layout():
@@ -231,11 +286,13 @@ def test_avx2_and_portable_agree_bitwise(bits, block_size, zero, offsets):
     q, d, dq, sums = _quantized(x, w)
     offs = w.offsets if w.offsets is not None else np.zeros((41, 0), np.float32)
     fast, slow = np.empty((7, 41), np.float32), np.empty((7, 41), np.float32)
-    for chunks in (1, 5, 41):
-        q8_gemm(q, d, dq, sums, w.codes, w.zeros, w.scales, offs, bits, block_size, chunks, fast)
-        q8_gemm_portable(q, d, dq, sums, w.codes, w.zeros, w.scales, offs, bits, block_size,
-                         chunks, slow)
-        np.testing.assert_array_equal(fast, slow)
+    for signed in {False, _signed_ref(w)}:
+        for chunks in (1, 5, 41):
+            q8_gemm(q, d, dq, sums, w.codes, w.zeros, w.scales, offs, bits, block_size, signed,
+                    chunks, fast)
+            q8_gemm_portable(q, d, dq, sums, w.codes, w.zeros, w.scales, offs, bits, block_size,
+                             signed, chunks, slow)
+            np.testing.assert_array_equal(fast, slow)
 
 
 @settings(max_examples=25, deadline=None)
@@ -305,7 +362,7 @@ def _jitted_caller(x, codes, zeros, scales, offsets, bits, block_size, out):
     dq = np.empty((x.shape[0], nb), np.float32)
     sums = np.empty((x.shape[0], nb), np.float32)
     q8_quantize(x, bits, block_size, q, d, dq, sums)
-    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
+    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, False,
             min(codes.shape[0], 8), out)
 
 

@@ -55,6 +55,20 @@ integer dot:
 * ``out = (tree(acc) + tree(terms)) + tail``, ``tree`` the 8 lanes summed as
   a fixed tree (``lane[i] += lane[i + width]``, width 4, 2, 1).
 
+Signed 8-bit codes: a weight with 8 bits, block 32 and every ``code - zero``
+in -128..127 (Q8_0, Q5_0, Q5_1 and Q5_K as imported; not Q6_K, block 16)
+keeps the zero point in the codes instead, so that the dot runs on bytes (``maddubs`` of
+``|w|`` and ``q`` signed as ``w``; a pair at most ``2 * 128 * 127``, no
+saturation) rather than on 16-bit words. :func:`q8_matmul` checks this once
+per weight object (one pass over the codes, remembered while the object
+lives: do not change a weight's codes or zeros in place after its first use)
+and otherwise takes the order above. The order differs in three places:
+
+* ``P[l]`` is the exact sum of ``(code - zero) * q`` over inputs ``4l .. 4l +
+  3`` of the block;
+* the block terms are ``e_b = offset_nb * s_mb`` (same lanes, tail and tree);
+* without offsets there are none: ``out = tree(acc)``.
+
 The difference from the float64 product of ``x`` and the dequantized weight
 is the rounding of ``x`` (at most about ``d_b / 2`` per input, so at most
 ``sum_b (d_b / 2) sum_i |scale_b (code_i - zero_b)|`` per output) plus a few
@@ -74,11 +88,13 @@ validate nothing, :func:`q8_matmul` does)::
         the same for every row: x float32 [M, K], q int8 [M, K],
         d, dq and sums float32 [M, K // block_size]
     q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
-            chunks, out)                       parallel over outputs
+            signed, chunks, out)               parallel over outputs
         q, d, dq, sums     from q8_quantize (C-contiguous)
         codes, zeros, scales               a BlockWeight's arrays
         offsets        float32 [N, K // block_size], or a float32 2-D
                        array of shape [*, 0] for a weight without offsets
+        signed         bool: the signed 8-bit order (only for 8 bits,
+                       block 32, every code - zero in -128..127)
         chunks         int in 1 .. N: outputs split into this many chunks
                        (q8_matmul: 16 per thread, with
                        numba.set_parallel_chunksize(1) around the call)
@@ -154,6 +170,7 @@ give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numba
@@ -225,20 +242,52 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
         return out
     x = np.ascontiguousarray(x)
     offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
+    signed = _signed(w)
     # one jitted call that allocates, quantizes and multiplies (the five NumPy
     # allocations took 5.4 µs a call at load 4.4; numba.get_num_threads() costs
     # 2-6 µs but in jitted code would keep _matmul out of the disk cache)
     threads = numba.get_num_threads()
     if threads == 1:                     # no parallel region to start
-        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, 0, out)
+        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, signed, 0, out)
         return out
     before = numba.set_parallel_chunksize(1)
     try:
-        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size,
+        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, signed,
                 min(n, threads * _CHUNKS_PER_THREAD), out)
     finally:
         numba.set_parallel_chunksize(before)
     return out
+
+
+# id(weight) -> whether its codes go signed; an entry leaves with its weight
+_SIGNED_BY_ID: dict[int, bool] = {}
+
+
+def _signed(w: BlockWeight) -> bool:
+    """Whether ``w`` takes the signed 8-bit path (every ``code - zero`` fits
+    int8), checked once per weight object (a pass over the codes: 13 ms for
+    SmolLM2's head) and remembered while the object lives."""
+    if w.bits != 8 or w.block_size != 32:
+        return False
+    key = id(w)
+    found = _SIGNED_BY_ID.get(key)
+    if found is None:
+        found = bool(_fits_int8(w.codes, w.zeros, w.block_size))
+        _SIGNED_BY_ID[key] = found
+        weakref.finalize(w, _SIGNED_BY_ID.pop, key, None)
+    return found
+
+
+@jit_kernel
+def _fits_int8(codes, zeros, block_size):
+    """Whether every ``code - zero`` of 8-bit ``codes`` lies in -128..127."""
+    for n in range(codes.shape[0]):
+        for b in range(zeros.shape[1]):
+            zero = np.int64(zeros[n, b])
+            for i in range(b * block_size, (b + 1) * block_size):
+                if not -128 <= np.int64(codes[n, i]) - zero <= 127:
+                    return False
+    return True
 
 
 @jit_kernel
@@ -294,6 +343,8 @@ def q8_quantize(x, bits, block_size, q, d, dq, sums):
 def _variants(num_rows):
     return [q8_span_intrinsic(bits, bs, num_rows, off)
             for bits in (4, 8) for bs in (16, 32) for off in (False, True)]
+
+
 
 
 # (bits, block_size, offsets) in the order _variants makes them
@@ -368,13 +419,45 @@ def _one(c, z, s, o, q, d, v, u, lo, hi, m, out, bits, block_size):
     return _o8_16(c, z, s, o, q, d, v, u, lo, hi, m, out)
 
 
+# 8 bits, block 32, signed, without and with offsets
+_fs, _fso = (q8_span_intrinsic(8, 32, 4, off, signed=True) for off in (False, True))
+_ts, _tso = (q8_span_intrinsic(8, 32, 2, off, signed=True) for off in (False, True))
+_os, _oso = (q8_span_intrinsic(8, 32, 1, off, signed=True) for off in (False, True))
+
+
 @jit_kernel
-def _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out):
+def _signed_span(c, z, s, o, q, d, v, u, lo, hi, m, out, num_rows):
+    """:func:`_four`, :func:`_two` or :func:`_one` (``num_rows``) for 8-bit codes,
+    block 32, with the zero point folded in."""
+    if o.shape[1] != 0:
+        if num_rows == 4:
+            return _fso(c, z, s, o, q, d, v, u, lo, hi, m, out)
+        if num_rows == 2:
+            return _tso(c, z, s, o, q, d, v, u, lo, hi, m, out)
+        return _oso(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    if num_rows == 4:
+        return _fs(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    if num_rows == 2:
+        return _ts(c, z, s, o, q, d, v, u, lo, hi, m, out)
+    return _os(c, z, s, o, q, d, v, u, lo, hi, m, out)
+
+
+@jit_kernel
+def _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed, lo, hi,
+                out):
     """Outputs ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
     if lo >= hi:
         return
     num_rows = q.shape[0]
     fours, twos = num_rows // 4 * 4, num_rows // 2 * 2
+    if signed:
+        for m in range(0, fours, 4):
+            _signed_span(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, m, out, 4)
+        if twos > fours:
+            _signed_span(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, fours, out, 2)
+        if num_rows > twos:
+            _signed_span(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, twos, out, 1)
+        return
     for m in range(0, fours, 4):
         _four(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, m, out, bits, block_size)
     if twos > fours:
@@ -384,9 +467,11 @@ def _chunk_avx2(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
 
 
 @jit_kernel
-def _lane(bits, block_size, paired, i):
+def _lane(bits, block_size, paired, signed, i):
     """The accumulator lane of input ``i`` of a block (see the module docstring)."""
     if bits == 8:
+        if signed:
+            return i // 4
         return i // 2 if block_size == 16 else i // 2 % 8
     pos = i % 2 * (block_size // 2) + i // 2
     if block_size == 16:
@@ -395,8 +480,11 @@ def _lane(bits, block_size, paired, i):
 
 
 @jit_kernel
-def _block_term(zeros, scales, offsets, dq, sums, n, m, b):
-    """``offset * s - (scale * zero) * dq`` of block ``b`` (see the module docstring)."""
+def _block_term(zeros, scales, offsets, dq, sums, signed, n, m, b):
+    """``offset * s - (scale * zero) * dq`` of block ``b``, ``offset * s`` when
+    ``signed`` (see the module docstring)."""
+    if signed:
+        return offsets[n, b] * sums[m, b]
     minus = (scales[n, b] * np.float32(zeros[n, b])) * dq[m, b]
     if offsets.shape[1] != 0:
         return offsets[n, b] * sums[m, b] - minus
@@ -404,8 +492,8 @@ def _block_term(zeros, scales, offsets, dq, sums, n, m, b):
 
 
 @jit_kernel
-def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
-                    out):
+def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed,
+                    lo, hi, out):
     """:func:`_chunk_avx2`'s outputs, the same operations in plain loops."""
     num_blocks = scales.shape[1]
     groups = num_blocks // 8
@@ -418,11 +506,11 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
             terms[:] = 0
             for g in range(groups):
                 for j in range(8):
-                    terms[j] = terms[j] + _block_term(zeros, scales, offsets, dq, sums, n, m,
-                                                      8 * g + j)
+                    terms[j] = terms[j] + _block_term(zeros, scales, offsets, dq, sums,
+                                                      signed, n, m, 8 * g + j)
             tail = np.float32(0.0)
             for b in range(8 * groups, num_blocks):
-                tail = tail + _block_term(zeros, scales, offsets, dq, sums, n, m, b)
+                tail = tail + _block_term(zeros, scales, offsets, dq, sums, signed, n, m, b)
             acc[:] = 0
             for b in range(num_blocks):
                 paired = bits == 4 and block_size == 32 and b < num_blocks // 2 * 2
@@ -433,7 +521,9 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
                         code = byte >> 4 if i % 2 else byte & 15
                     else:
                         code = np.int64(codes[n, b * block_size + i])
-                    lanes[_lane(bits, block_size, paired, i)] += code * np.int64(
+                        if signed:
+                            code -= np.int64(zeros[n, b])
+                    lanes[_lane(bits, block_size, paired, signed, i)] += code * np.int64(
                         q[m, _q_index(bits, block_size, num_blocks, b, i)])
                 sd = scales[n, b] * d[m, b]
                 if paired:               # lanes 4 (b % 2) .. 4 (b % 2) + 3
@@ -444,8 +534,11 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
                     for lane in range(8):
                         acc[lane] = acc[lane] + sd * np.float32(lanes[lane])
             _tree(acc)
-            _tree(terms)
-            out[m, n] = (acc[0] + terms[0]) + tail
+            if signed and offsets.shape[1] == 0:
+                out[m, n] = acc[0]
+            else:
+                _tree(terms)
+                out[m, n] = (acc[0] + terms[0]) + tail
 
 
 @jit_kernel
@@ -464,17 +557,19 @@ _chunk = _chunk_avx2 if HAS_AVX2 else _chunk_portable
 
 
 @jit_kernel(parallel=True)
-def q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+def q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed, chunks,
+            out):
     """Every output of the quantized rows (see the module docstring); the AVX2
     kernel where the host has it."""
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi, out)
+        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed, lo, hi,
+               out)
 
 
 @jit_kernel
-def _matmul(x, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+def _matmul(x, codes, zeros, scales, offsets, bits, block_size, signed, chunks, out):
     """:func:`q8_quantize` into new buffers, then :func:`q8_gemm` in ``chunks``
     chunks, or on the calling thread when ``chunks`` is 0."""
     num_rows, k = x.shape
@@ -485,18 +580,19 @@ def _matmul(x, codes, zeros, scales, offsets, bits, block_size, chunks, out):
     sums = np.empty((num_rows, num_blocks), np.float32)
     q8_quantize(x, bits, block_size, q, d, dq, sums)
     if chunks == 0:
-        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, 0,
+        _chunk(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed, 0,
                codes.shape[0], out)
     else:
-        q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks, out)
+        q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed, chunks,
+                out)
 
 
 @jit_kernel(parallel=True)
-def q8_gemm_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, chunks,
-                     out):
+def q8_gemm_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed,
+                     chunks, out):
     """:func:`q8_gemm` in plain Numba loops: the same bits, on any CPU."""
     n_total = codes.shape[0]
     for c in prange(chunks):
         lo, hi = c * n_total // chunks, (c + 1) * n_total // chunks
-        _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, lo, hi,
-                        out)
+        _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed,
+                        lo, hi, out)

@@ -13,7 +13,7 @@ of outputs ``n`` for 1, 2 or 4 consecutive quantized rows, in the order that
 
 The integer part, per block of a weight row (its codes read once for every
 row of the tile), codes unsigned as stored (the zero point is in the block
-term):
+term) but for signed 8-bit codes:
 
 * 4 bits, block 32, blocks in pairs: the pair's 32 code bytes split into low
   and high nibbles (32 bytes each); per row ``maddubs(low, evens) +
@@ -24,7 +24,13 @@ term):
 * 4 bits, a last block 32 alone: its 16 code bytes become 32 (low nibbles,
   then high), ``maddubs`` and ``pmaddwd`` with ones: lane ``l`` holds
   positions ``4l .. 4l + 3``.
-* block 16 (4 or 8 bits) and 8 bits, block 32: the codes widened to int16
+* 8 bits, block 32, signed (the zero point folded in, which the caller has
+  checked fits): ``w = code - zero`` by one byte subtraction per block,
+  ``|w|`` by ``psign(w, w)`` (-128 gives 0x80, read as 128 by ``maddubs``);
+  per row ``maddubs(|w|, psign(q, w))`` (pairs at most 2 * 128 * 127) then
+  ``pmaddwd`` with ones: lane ``l`` holds positions ``4l .. 4l + 3``; no
+  zero-point block term.
+* block 16 (4 or 8 bits) and 8 bits, block 32 otherwise: the codes widened to int16
   (0..255), the row's int8 values widened to int16, ``pmaddwd`` (pairs to
   i32: at most 2 * 255 * 127): lane ``l`` holds positions ``2l, 2l + 1``
   (and, for 32 inputs, ``16 + 2l, 17 + 2l``).
@@ -142,8 +148,25 @@ def _codes(builder, bits, block_size, codes, at_code):
     return "i16", [builder.zext(p, _V16W) for p in parts]
 
 
+def _signed_codes(builder, codes, at_code, zero):
+    """8 bits, block 32, zero point folded: ``("s8", w, |w|)``, ``w = code -
+    zero`` as int8 (exact: the caller checked that it fits), ``|w|`` read as
+    unsigned (128 for -128)."""
+    w = builder.sub(_load(builder, codes, at_code, _V32B), _splat(builder, zero, _V32B))
+    return "s8", w, _call(builder, "llvm.x86.avx2.psign.b", _V32B, [w, w])
+
+
 def _lane_sums(builder, codes, q, at_q):
-    """``P``: the block's exact integer lane sums of ``code * q`` for one row."""
+    """``P``: the block's exact integer lane sums of ``code * q`` (``("s8", ..)``:
+    of ``(code - zero) * q``) for one row."""
+    if codes[0] == "s8":              # sign(q, w) * |w| = q * w
+        _, w, magnitude = codes
+        signed_q = _call(builder, "llvm.x86.avx2.psign.b", _V32B,
+                         [_load(builder, q, at_q, _V32B), w])
+        # |w| <= 128, |q| <= 127: a pair at most 2 * 128 * 127 = 32512, no saturation
+        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [magnitude, signed_q])
+        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
+                     [pairs, ir.Constant(_V16W, [1] * 16)])
     if codes[0] == "u8":
         qv = _load(builder, q, at_q, _V32B)
         pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [codes[1], qv])
@@ -157,9 +180,20 @@ def _lane_sums(builder, codes, q, at_q):
     return total
 
 
-def _block_term(builder, offsets_on, zeros, scales, offsets, rows, at, vty):
-    """``offset * s - (scale * zero) * dq`` of the blocks at ``at`` for each row:
-    8 blocks as lanes (``vty`` a vector) or one (``vty`` float)."""
+def _block_term(builder, offsets_on, zeros, scales, offsets, rows, at, vty, signed=False):
+    """``offset * s - (scale * zero) * dq`` of the blocks at ``at`` for each row
+    (``signed``: ``offset * s``): 8 blocks as lanes (``vty`` a vector) or one
+    (``vty`` float)."""
+    if signed:
+        if isinstance(vty, ir.VectorType):
+            def load(base):
+                return builder.load(builder.bitcast(builder.gep(base, [at]), vty.as_pointer()),
+                                    align=4)
+        else:
+            def load(base):
+                return builder.load(builder.gep(base, [at]))
+        offset = load(offsets)
+        return [builder.fmul(offset, load(sums)) for _, _, _, sums in rows]
     if isinstance(vty, ir.VectorType):
         def load(base):
             return builder.load(builder.bitcast(builder.gep(base, [at]), vty.as_pointer()),
@@ -216,20 +250,23 @@ def _paired_dots(builder, codes, scales, rows, num_pairs):
 
 
 def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets, rows,
-            num_blocks):
-    """IR of one output for each of ``rows`` (``(q, d, dq, sums)`` pointers)."""
+            num_blocks, signed=False):
+    """IR of one output for each of ``rows`` (``(q, d, dq, sums)`` pointers);
+    ``signed``: 8 bits with the zero point folded into the codes."""
     intp = num_blocks.type
     eight = ir.Constant(intp, _LANES)
-    groups = builder.sdiv(num_blocks, eight)
-    g, phis, finish = _loop(builder, "q8_terms", ir.Constant(intp, 0), groups,
-                            [_ZERO8 for _ in rows])
-    terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows,
-                        builder.mul(g, eight), _V8F)
-    lanes = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
-    b, phis, finish = _loop(builder, "q8_tail", builder.mul(groups, eight), num_blocks,
-                            [ir.Constant(_F32, 0.0) for _ in rows])
-    terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows, b, _F32)
-    tails = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
+    lanes = tails = None
+    if offsets_on or not signed:         # signed without offsets: no block terms
+        groups = builder.sdiv(num_blocks, eight)
+        g, phis, finish = _loop(builder, "q8_terms", ir.Constant(intp, 0), groups,
+                                [_ZERO8 for _ in rows])
+        terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows,
+                            builder.mul(g, eight), _V8F, signed)
+        lanes = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
+        b, phis, finish = _loop(builder, "q8_tail", builder.mul(groups, eight), num_blocks,
+                                [ir.Constant(_F32, 0.0) for _ in rows])
+        terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows, b, _F32, signed)
+        tails = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
 
     accs = [_ZERO8 for _ in rows]
     single_from = ir.Constant(intp, 0)
@@ -240,8 +277,11 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
                                   ir.Constant(intp, 2))
     b, phis, finish = _loop(builder, "q8_dot", single_from, num_blocks, accs)
     scale = builder.load(builder.gep(scales, [b]))
-    c = _codes(builder, bits, block_size, codes,
-               builder.mul(b, ir.Constant(intp, block_size * bits // 8)))
+    at_code = builder.mul(b, ir.Constant(intp, block_size * bits // 8))
+    if signed:
+        c = _signed_codes(builder, codes, at_code, builder.load(builder.gep(zeros, [b])))
+    else:
+        c = _codes(builder, bits, block_size, codes, at_code)
     at_q = builder.mul(b, ir.Constant(intp, block_size))
     new = []
     for acc, (q, d, _, _) in zip(phis, rows):
@@ -249,6 +289,8 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
         sd = builder.fmul(scale, builder.load(builder.gep(d, [b])))
         new.append(builder.fadd(acc, builder.fmul(_splat(builder, sd, _V8F), p)))
     accs = finish(new)
+    if lanes is None:
+        return [_tree(builder, acc) for acc in accs]
     return [builder.fadd(builder.fadd(_tree(builder, acc), _tree(builder, lane)), tail)
             for acc, lane, tail in zip(accs, lanes, tails)]
 
@@ -268,11 +310,16 @@ class _Rows:
         return builder.bitcast(ptr, elty.as_pointer())
 
 
-def q8_span_intrinsic(bits, block_size, num_rows, offsets_on):
+def q8_span_intrinsic(bits, block_size, num_rows, offsets_on, signed=False):
     """``q8_span(codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, m, out)``:
     writes ``out[m + r, n]`` for outputs ``lo <= n < hi`` and the quantized
     rows ``m .. m + num_rows - 1``; the offset term is included when
-    ``offsets_on`` (``offsets`` is not read otherwise)."""
+    ``offsets_on`` (``offsets`` is not read otherwise); ``signed`` (8 bits,
+    block 32 only): the zero point folded into the codes, which the caller has
+    checked (every ``code - zero`` in -128..127)."""
+    if signed and (bits, block_size) != (8, 32):
+        raise ValueError(f"Invalid signed span: needs 8 bits, block 32, got {bits} bits, "
+                         f"block {block_size}")
 
     def typer(typingctx, codes, zeros, scales, offsets, q, d, dq, sums, lo, hi, m, out):
         sig = types.intp(codes, zeros, scales, offsets, q, d, dq, sums, types.intp,
@@ -294,7 +341,8 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on):
             totals = _output(
                 builder, bits, block_size, offsets_on, a_codes.row(builder, n, _I8),
                 a_zeros.row(builder, n, _I8), a_scales.row(builder, n, _F32),
-                a_offsets.row(builder, n, _F32) if offsets_on else None, rows, num_blocks)
+                a_offsets.row(builder, n, _F32) if offsets_on else None, rows, num_blocks,
+                signed)
             for out_row, total in zip(outs, totals):
                 builder.store(total, builder.gep(out_row, [n]))
             finish([])
@@ -302,5 +350,6 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on):
 
         return sig, codegen
 
-    typer.__name__ = f"q8_span{bits}_{block_size}_{num_rows}{'_off' if offsets_on else ''}"
+    typer.__name__ = (f"q8_span{bits}{'s' if signed else ''}_{block_size}_{num_rows}"
+                      f"{'_off' if offsets_on else ''}")
     return intrinsic(typer)
