@@ -6,7 +6,8 @@ reader: ``q,k,v`` packed (576 x 960), ``o`` (576 x 576), ``gate/up`` packed
 (576 x 3072) and ``down`` (1536 x 576), each as the file has it (Q4_1:
 offsets, zero 0) and as Q4_0 (the same codes and scales with zero 8, no
 offsets: each block's min dropped), plus the tied Q8_0 head (576 x 49152,
-``token_embd.weight``; ``--no-head`` leaves it out). Times ``y = x @ w`` for
+``token_embd.weight``; ``--no-head`` leaves it out). A group whose parts differ
+in kind (Q4_K_M's q, k Q5_0 and v Q8_0) is timed part by part. Times ``y = x @ w`` for
 M = 1 and 4 (``--m``) rows of float32 activations:
 
 ``q8``      :func:`pagedkv_np.backends.block_q8.q8_matmul` (int8 activations,
@@ -77,6 +78,10 @@ def _weights(path: str, layer: int, head: bool):
     out = []
     for label, names in groups.items():
         parts = [data(name) for name in names]
+        if len({kind for kind, _ in parts}) > 1:     # e.g. Q4_K_M: q, k Q5_0, v Q8_0
+            out.extend((f"{name.split('_')[1]} {kind}", BlockQuantized(kind, raw))
+                       for name, (kind, raw) in zip(names, parts))
+            continue
         kind = parts[0][0]
         raw = np.concatenate([p[1] for p in parts])
         out.append((f"{label} {kind}", BlockQuantized(kind, raw)))

@@ -7,9 +7,9 @@ points, scales, optional offsets, ``w[k, n] = (code - zero) * scale +
 offset``), but first rounds each row's inputs to int8 per weight block, so the
 block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, as llama.cpp
 does for q8 activations x q4 weights). It is for decoding (M = 1): on one
-thread 2.7-3.3x the float32 kernel's rate on SmolLM2's body shapes and about
-onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 0.95x
-to 1.7x its rate), and unlike the latter deterministic: row ``m``'s outputs
+thread 2.8-3.1x the float32 kernel's rate on SmolLM2's body shapes and about
+onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 1.0x
+to 1.8x its rate), and unlike the latter deterministic: row ``m``'s outputs
 depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count or the
 tile the row lands in.
 
@@ -107,50 +107,78 @@ exact, the float part the same operations, so both give the same bits.
 Rows go in tiles of 4, then 2, then 1, sharing each block's unpacked codes;
 each row's arithmetic is the same in every tile.
 
-Figures (``scripts/bench_block_q8.py --threads 1 --rounds 7``, this 2-core
-AMD EPYC VM (AVX2) at load average 5.8-6.6 from other jobs, 2026-12-02;
-SmolLM2-135M-Instruct Q4_1, layer 10, and the same codes and scales as Q4_0;
-median µs of one call, ``block/q8`` and ``ort4/q8`` the median ratios of
-interleaved rounds; ``err`` max |y - float64| / max |float64| at M = 4,
-onnxruntime's ``accuracy_level=4`` the same to two digits, block_matmul's and
-``accuracy_level=0``'s 1e-7 to 2e-6)::
+Figures (``scripts/bench_block_q8.py --threads 1 --rounds 5``, this 2-core
+AMD EPYC VM (AVX2) at load average 3.6-4.7 from other jobs, 2026-12-02;
+SmolLM2-135M-Instruct Q4_1, layer 10, and the same codes and scales as Q4_0,
+then ``--gguf`` Gemma-3-270M Q4_K_M, layer 10, ``--no-head``; median µs of
+one call, ``block/q8`` and ``ort4/q8`` the median ratios of interleaved
+rounds; ``err`` max |y - float64| / max |float64| at M = 4, onnxruntime's
+``accuracy_level=4`` the same to two digits, block_matmul's and
+``accuracy_level=0``'s 1e-7 to 2e-6; Q5_0 and Q8_0 run the signed 8-bit
+path, Q6_K the 16-bit one)::
 
     weight          K x N     M    q8   block    ort0   ort4   block/q8 ort4/q8  err
-    qkv q4_1      576 x 960   1   118     340     498    173     3.02    1.43
-    qkv q4_1      576 x 960   4   189     433     696    199     2.25    1.03   1.4e-2
-    qkv q4_0      576 x 960   1    76     206     256     77     2.78    1.06
-    qkv q4_0      576 x 960   4   226     386     694    240     1.74    1.08   6.0e-3
-    o q4_1        576 x 576   1    84     226     328    136     2.70    1.63
-    o q4_1        576 x 576   4   154     366     427    178     2.24    1.09   1.2e-2
-    o q4_0        576 x 576   1    67     199     236     98     2.91    1.49
-    o q4_0        576 x 576   4   163     314     446    168     1.71    0.98   6.2e-3
-    gate/up q4_1  576 x 3072  1   383    1039    1680    471     2.67    1.24
-    gate/up q4_1  576 x 3072  4   762    1682    2930    838     2.18    0.98   1.2e-2
-    gate/up q4_0  576 x 3072  1   259     721     964    236     3.05    0.95
-    gate/up q4_0  576 x 3072  4   566     977    2190    535     1.58    0.86   5.4e-3
-    down q4_1    1536 x 576   1   109     322     630    196     3.27    1.69
-    down q4_1    1536 x 576   4   349     706    1130    396     2.13    1.14   7.3e-3
-    down q4_0    1536 x 576   1   109     301     536    149     2.73    1.21
-    down q4_0    1536 x 576   4   259     454     942    313     1.50    1.05   1.7e-2
-    head q8_0    576 x 49152  1 10152   12800  780725  11120     1.33    1.13
-    head q8_0    576 x 49152  4 15458   17665  780955  17026     1.13    1.31   5.3e-3
+    qkv q4_1        576 x 960    1     81     235     325    115     2.88    1.44
+    qkv q4_1        576 x 960    4    228     493     702    246     1.97    1.06   1.4e-02
+    qkv q4_0        576 x 960    1     88     219     371    136     2.79    1.10
+    qkv q4_0        576 x 960    4    189     298     513    190     1.54    0.95   6.0e-03
+    o q4_1          576 x 576    1     65     185     284    117     2.78    1.77
+    o q4_1          576 x 576    4    132     276     392    165     2.10    1.14   1.2e-02
+    o q4_0          576 x 576    1     62     175     216     84     2.76    1.24
+    o q4_0          576 x 576    4    187     285     432    176     1.52    0.78   6.2e-03
+    gate/up q4_1    576 x 3072   1    318     877    1301    382     2.76    1.23
+    gate/up q4_1    576 x 3072   4    524    1154    2484    548     2.20    1.20   1.2e-02
+    gate/up q4_0    576 x 3072   1    235     700     934    224     2.92    1.03
+    gate/up q4_0    576 x 3072   4    521     862    1905    493     1.61    0.93   5.4e-03
+    down q4_1      1536 x 576    1     96     299     527    160     3.08    1.69
+    down q4_1      1536 x 576    4    247     562     930    272     2.21    0.99   7.3e-03
+    down q4_0      1536 x 576    1    102     212     460    130     2.78    1.46
+    down q4_0      1536 x 576    4    346     446     883    252     1.55    0.92   1.7e-02
+    head q8_0       576 x 49152  1   7228   10526  600782   8590     1.29    1.29
+    head q8_0       576 x 49152  4   9891   13277  587679  13221     1.24    1.34   5.3e-03
+    q q5_0          640 x 1024   1     70     151    3748     72     2.25    1.03
+    q q5_0          640 x 1024   4    142     225    4752    175     1.56    1.18   4.8e-03
+    k q5_0          640 x 256    1     23      49     494     38     2.53    1.32
+    k q5_0          640 x 256    4     35      50     369     41     1.45    1.15   4.9e-03
+    v q8_0          640 x 256    1     24      62     455     41     2.54    1.74
+    v q8_0          640 x 256    4     53      83     478     65     1.55    1.13   5.7e-03
+    o q4_k         1024 x 640    1     56     179     305     99     3.13    1.74
+    o q4_k         1024 x 640    4    150     314     474    154     2.01    1.08   6.7e-03
+    gate/up q5_0    640 x 4096   1    194     467   28420    189     2.20    0.92
+    gate/up q5_0    640 x 4096   4    499     611   20591    536     1.26    0.99   5.7e-03
+    down q6_k      2048 x 640    1    131     209   12805    109     1.59    0.83
+    down q6_k      2048 x 640    4    369     336   14841    306     0.91    0.86   4.0e-03
 
-At this load absolute times are long (576 x 960 Q4_0, M = 1: 76 µs here,
-35 µs of thread CPU time in the same hour); an earlier run at load 4.8-6.0,
-before the buffers moved into the jitted call, gave ratios within 10% of
-these. On one thread at M = 1 the kernel alone runs 13-18 GMAC/s on these
-shapes (CPU time; 576 x 960 fits the 512 KiB L2, 576 x 3072 does not).
+At this load absolute times are long and vary by 1.5x between runs (Gemma's
+q at M = 1: 70 µs here, 126 µs in a run minutes earlier), ratios less so. On
+one thread at M = 1 the kernel alone runs 13-18 GMAC/s on the 4-bit shapes
+(CPU time; 576 x 960 fits the 512 KiB L2, 576 x 3072 does not). The Q8_0
+head at M = 1 reads 33 MB a call and is bound by memory: 4.3-5.0 ms of CPU
+time (6.6-7.7 GB/s) in the runs below, about what a plain loop reading one
+byte per cache line of its 28 MB of codes achieves here (6.3-6.5 GB/s).
+
+The signed 8-bit path against the 16-bit one it replaced, same process,
+interleaved rounds (``q8_gemm``'s ``signed`` flag), median ratio of CPU
+time (old / new), ``M = 1; M = 4``: one thread, two runs at load 1.7 and
+4.5: SmolLM2's Q8_0 head 0.98-1.05; 1.15-1.16, Gemma's Q5_0 640 x 4096
+1.17-1.19; 1.26-1.27 and 640 x 1024 1.13-1.18; 1.17-1.22 (14-17 GMAC/s at M
+= 1, 20-22 at M = 4); two threads, load 3.3: head 1.01; 1.06, 640 x 4096
+1.15; 1.15, 640 x 1024 1.07; 1.16. Results of these weights moved by at
+most 6.4e-7 of the output's largest magnitude.
 
 Steps (one thread, same process, against the step before): the output loop
 in the IR (one call per span of outputs) took 576 x 960 Q4_1's kernel from
 101 to 54 µs (wall); the zero point out of the inner loop, to 39 µs; blocks
 of 32 in pairs, 1.09-1.18x at M = 1 (1.09-1.45x at M = 4, CPU time); the
 buffers allocated in the jitted call, 1.09-1.18x on the 576-wide shapes at
-M = 1 (CPU time). Tried without a gain: ``scale * d`` from a per-call
-buffer, two outputs interleaved per loop, prefetching the codes of outputs 4
-ahead, the last ``blocks % 8`` block terms as lanes of one vector over the
-last 8 blocks (1-3%, within the noise; the block terms take 13-27% of the
-time with offsets, 3-15% without, measured by leaving them out).
+M = 1 (CPU time); 8-bit codes on bytes with the zero point folded in, above.
+Tried without a gain: blocks of 16 (Q6_K) on that path too, two blocks per
+32 bytes as for 4 bits (0.89-0.91x at M = 1, 1.02-1.03x at M = 4);
+``scale * d`` from a per-call buffer, two outputs interleaved per loop,
+prefetching the codes of outputs 4 ahead, the last ``blocks % 8`` block
+terms as lanes of one vector over the last 8 blocks (1-3%, within the noise;
+the block terms take 13-27% of the time with offsets, 3-15% without,
+measured by leaving them out).
 
 On 2 threads the parallel region is what costs. At load 4.2-5.8 with
 libgomp's default spin count, every Numba parallel region (q8_matmul's and
@@ -163,7 +191,7 @@ package's ``GOMP_SPINCOUNT`` bound (:mod:`pagedkv_np.threads`), at load
 (67-383 µs, at load 5.8-6.6): for products this small, call with ``numba.set_num_threads(1)`` (then
 :func:`q8_matmul` starts no parallel region) unless the machine is idle.
 
-The module is about 500 lines, 155 of them this docstring: the order it
+The module is about 630 lines, 195 of them this docstring: the order it
 documents, the quantization that feeds it and the portable loops that must
 give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 """
@@ -265,7 +293,7 @@ _SIGNED_BY_ID: dict[int, bool] = {}
 
 def _signed(w: BlockWeight) -> bool:
     """Whether ``w`` takes the signed 8-bit path (every ``code - zero`` fits
-    int8), checked once per weight object (a pass over the codes: 13 ms for
+    int8), checked once per weight object (a pass over the codes: 30 ms for
     SmolLM2's head) and remembered while the object lives."""
     if w.bits != 8 or w.block_size != 32:
         return False
