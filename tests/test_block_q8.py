@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedkv_np.backends import block_q8
 from pagedkv_np.backends.block_gemv import BlockWeight
 from pagedkv_np.backends.block_q8 import (HAS_AVX2, q8_gemm, q8_gemm_portable, q8_matmul,
                                           q8_quantize)
@@ -388,3 +389,59 @@ def test_every_ggml_type_as_imported_follows_the_order(kind):
     got = q8_matmul(x, parts)
     np.testing.assert_array_equal(got, _emulate(x, w))
     np.testing.assert_array_equal(got, q8_matmul(x, w))
+
+
+def _halved(w: BlockWeight) -> BlockWeight:
+    """``w`` with scales and offsets rounded to values float16 holds exactly."""
+    offs = None if w.offsets is None else w.offsets.astype(np.float16).astype(np.float32)
+    return BlockWeight(w.bits, w.block_size, w.in_features, w.out_features, w.codes, w.zeros,
+                       w.scales.astype(np.float16).astype(np.float32), offs)
+
+
+@pytest.mark.parametrize("bits,block_size,zero,offsets", CASES)
+def test_compact_form_gives_the_float32_forms_bits(bits, block_size, zero, offsets):
+    """float16 scales and offsets and a constant zero point as one repeated row
+    give the bits of the float32 arrays, on the AVX2 kernel and the portable
+    loops; q8_matmul takes float16 for 8 bits only, and a weight whose scales
+    float16 cannot hold keeps float32."""
+    rng = np.random.default_rng(10)
+    w = _halved(_weight(rng, bits, block_size, 160, 41, zero, offsets))
+    x = rng.standard_normal((7, 160)).astype(np.float32)
+    got = q8_matmul(x, w)
+    np.testing.assert_array_equal(got, _emulate(x, w))
+    try:
+        block_q8._USE_COMPACT = False
+        np.testing.assert_array_equal(q8_matmul(x, w), got)
+    finally:
+        block_q8._USE_COMPACT = True
+    compact = block_q8._compact(w)
+    assert (compact is not None) == (zero != "mixed" or bits == 8)
+    if compact is not None:
+        assert compact[0].strides[0] == (0 if zero != "mixed" else w.zeros.strides[0])
+        assert compact[1].dtype == (np.uint16 if bits == 8 else np.float32)
+    zeros = np.lib.stride_tricks.as_strided(w.zeros[:1].copy(), w.zeros.shape, (0, 1)) \
+        if zero != "mixed" else w.zeros
+    scales = block_q8._as_halves(w.scales)
+    offs = block_q8._as_halves(w.offsets) if offsets else np.zeros((41, 0), np.float32)
+    q, d, dq, sums = _quantized(x, w)
+    kernels = [q8_gemm_portable] + ([q8_gemm] if HAS_AVX2 else [])
+    for kernel in kernels:
+        y = np.empty((7, 41), np.float32)
+        kernel(q, d, dq, sums, w.codes, zeros, scales, offs, bits, block_size, _signed_ref(w),
+               5, y)
+        np.testing.assert_array_equal(y, got)
+    plain = _weight(rng, bits, block_size, 160, 41, zero, offsets)
+    plain.scales[0, 0] = np.float32(1 / 3)   # not a float16
+    assert block_q8._as_halves(plain.scales) is None
+    compact = block_q8._compact(plain)
+    assert compact is None or compact[1] is plain.scales
+    np.testing.assert_array_equal(q8_matmul(x, plain), _emulate(x, plain))
+
+
+def test_half_bits_widen_every_float16_exactly():
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32)
+    got = np.array([block_q8._half_bits(b) for b in bits], np.float32)
+    finite = ~np.isnan(want)
+    np.testing.assert_array_equal(got[finite].view(np.uint32), want[finite].view(np.uint32))
+    assert np.isnan(got[~finite]).all()

@@ -90,9 +90,11 @@ validate nothing, :func:`q8_matmul` does)::
     q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size,
             signed, chunks, out)               parallel over outputs
         q, d, dq, sums     from q8_quantize (C-contiguous)
-        codes, zeros, scales               a BlockWeight's arrays
-        offsets        float32 [N, K // block_size], or a float32 2-D
-                       array of shape [*, 0] for a weight without offsets
+        codes, zeros, scales               a BlockWeight's arrays (or the
+                       compact form below: scales uint16, zeros one row
+                       repeated)
+        offsets        float32 or uint16 [N, K // block_size], or a float32
+                       2-D array of shape [*, 0] for a weight without offsets
         signed         bool: the signed 8-bit order (only for 8 bits,
                        block 32, every code - zero in -128..127)
         chunks         int in 1 .. N: outputs split into this many chunks
@@ -100,6 +102,23 @@ validate nothing, :func:`q8_matmul` does)::
                        numba.set_parallel_chunksize(1) around the call)
         out            float32 [M, N], C-contiguous, written
     q8_gemm_portable(...)   the same arguments and bits, plain Numba loops
+
+Compact form (:func:`_compact`, made once per weight object and remembered
+while it lives, as the signed check): zero points that are one constant are
+read as one row repeated (row stride 0); 8-bit codes whose scales and offsets
+float16 holds exactly (Q8_0, Q5_0, Q5_1 as imported: the file's ``d`` and
+``m`` are float16) read float16 copies (uint16 bit patterns, widened exactly
+by ``vcvtph2ps`` or :func:`_half_bits`): 1.0625 bytes per weight for Q8_0, as
+llama.cpp reads, not 1.16. Same values, same bits. The copies sit beside the
+float32 arrays (other code reads those): 1/16 of the codes' size more memory
+for Q8_0. One thread, M = 1, interleaved against the float32 form
+(``scripts/bench_block_q8.py --threads 1 --m 1 --ways q8 q8f32``, load
+0.8-3.3): SmolLM2's Q8_0 head 1.03-1.11x; float16 scales on the 4-bit shapes
+(576 x 960 .. 576 x 3072, Q4_1) were 0.93-0.96x (not bound by memory at one
+thread: 9-15 GMAC/s whether the weight is in L2 or not), so 4 bits keep
+float32; the repeated zero row there 0.94-1.07x. A whole decode
+(``scripts/bench_decode.py --rounds 5 --threads 1 --q8-forms``, load 3.3)
+moved within the noise: 48.4 against 48.9 tokens/s (rounds vary by 1.5x).
 
 ``q8_gemm`` runs the AVX2 kernel (:mod:`.block_q8_ir`) when the host has
 AVX2 (:data:`HAS_AVX2`), else ``q8_gemm_portable``: the integer part is
@@ -191,7 +210,7 @@ package's ``GOMP_SPINCOUNT`` bound (:mod:`pagedkv_np.threads`), at load
 (67-383 µs, at load 5.8-6.6): for products this small, call with ``numba.set_num_threads(1)`` (then
 :func:`q8_matmul` starts no parallel region) unless the machine is idle.
 
-The module is about 630 lines, 195 of them this docstring: the order it
+The module is about 730 lines, 215 of them this docstring: the order it
 documents, the quantization that feeds it and the portable loops that must
 give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 """
@@ -204,7 +223,8 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import binding as llvm_binding
-from numba import prange
+from numba import prange, types
+from numba.extending import overload
 
 from .block_gemv import BlockWeight
 from .block_q8_ir import q8_span_intrinsic
@@ -269,18 +289,23 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     if m == 0:
         return out
     x = np.ascontiguousarray(x)
-    offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
     signed = _signed(w)
+    compact = _compact(w) if _USE_COMPACT else None
+    if compact is not None:
+        zeros, scales, offsets = compact
+    else:
+        zeros, scales = w.zeros, w.scales
+        offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
     # one jitted call that allocates, quantizes and multiplies (the five NumPy
     # allocations took 5.4 µs a call at load 4.4; numba.get_num_threads() costs
     # 2-6 µs but in jitted code would keep _matmul out of the disk cache)
     threads = numba.get_num_threads()
     if threads == 1:                     # no parallel region to start
-        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, signed, 0, out)
+        _matmul(x, w.codes, zeros, scales, offsets, w.bits, w.block_size, signed, 0, out)
         return out
     before = numba.set_parallel_chunksize(1)
     try:
-        _matmul(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, signed,
+        _matmul(x, w.codes, zeros, scales, offsets, w.bits, w.block_size, signed,
                 min(n, threads * _CHUNKS_PER_THREAD), out)
     finally:
         numba.set_parallel_chunksize(before)
@@ -304,6 +329,82 @@ def _signed(w: BlockWeight) -> bool:
         _SIGNED_BY_ID[key] = found
         weakref.finalize(w, _SIGNED_BY_ID.pop, key, None)
     return found
+
+
+# whether q8_matmul reads a weight's compact form where it has one (False: the
+# float32 arrays, as before; for measuring the difference)
+_USE_COMPACT = True
+
+# id(weight) -> its compact (zeros, scales, offsets) or None; leaves with its weight
+_COMPACT_BY_ID: dict[int, tuple | None] = {}
+
+
+def _compact(w: BlockWeight) -> tuple | None:
+    """``w``'s zero points, scales and offsets in fewer bytes, or None: the zero
+    points as one row repeated (row stride 0) where they are one constant; for
+    8-bit codes, the scales and offsets as float16 bit patterns (uint16 ``[N,
+    nb]``) where float16 holds every value exactly. Made once per weight object
+    and remembered while it lives (as :func:`_signed`)."""
+    key = id(w)
+    if key in _COMPACT_BY_ID:
+        return _COMPACT_BY_ID[key]
+    zeros, scales = w.zeros, w.scales
+    offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
+    constant = bool(zeros.size) and bool((zeros == zeros.flat[0]).all())
+    if constant:
+        zeros = np.lib.stride_tricks.as_strided(zeros[:1].copy(), zeros.shape, (0, 1),
+                                                writeable=False)
+    halves = [_as_halves(a) for a in (w.scales, w.offsets) if a is not None]
+    narrow = w.bits == 8 and all(h is not None for h in halves)
+    if narrow:
+        scales = halves[0]
+        offsets = halves[1] if len(halves) > 1 else _NO_OFFSETS
+    found = (zeros, scales, offsets) if constant or narrow else None
+    _COMPACT_BY_ID[key] = found
+    weakref.finalize(w, _COMPACT_BY_ID.pop, key, None)
+    return found
+
+
+def _as_halves(a: np.ndarray) -> np.ndarray | None:
+    """``a`` (float32) as float16 bit patterns (uint16, C-contiguous) if float16
+    holds every value exactly, else None."""
+    with np.errstate(over="ignore"):
+        half = a.astype(np.float16)
+    if not np.array_equal(half.astype(np.float32), a):
+        return None
+    return np.ascontiguousarray(half).view(np.uint16)
+
+
+def _f32(value):
+    """``value`` as float32: a float32 as it is, a uint16 as the float16 whose
+    bits it holds (exactly)."""
+    if isinstance(value, np.uint16):
+        return np.float32(np.array(value, np.uint16).view(np.float16))
+    return np.float32(value)
+
+
+@overload(_f32)
+def _f32_jit(value):
+    if isinstance(value, types.Float):
+        return lambda value: np.float32(value)
+    if value == types.uint16:
+        return lambda value: _half_bits(value)
+    return None
+
+
+@jit_kernel
+def _half_bits(bits):
+    """The float32 value of the float16 with bit pattern ``bits`` (exact)."""
+    h = np.int64(bits)
+    exponent = (h >> 10) & 31
+    fraction = h & 1023
+    if exponent == 31:
+        value = np.inf if fraction == 0 else np.nan
+    elif exponent == 0:
+        value = fraction * 2.0 ** -24
+    else:
+        value = (1024 + fraction) * 2.0 ** (exponent - 25)
+    return np.float32(-value if h & 0x8000 else value)
 
 
 @jit_kernel
@@ -512,10 +613,10 @@ def _block_term(zeros, scales, offsets, dq, sums, signed, n, m, b):
     """``offset * s - (scale * zero) * dq`` of block ``b``, ``offset * s`` when
     ``signed`` (see the module docstring)."""
     if signed:
-        return offsets[n, b] * sums[m, b]
-    minus = (scales[n, b] * np.float32(zeros[n, b])) * dq[m, b]
+        return _f32(offsets[n, b]) * sums[m, b]
+    minus = (_f32(scales[n, b]) * np.float32(zeros[n, b])) * dq[m, b]
     if offsets.shape[1] != 0:
-        return offsets[n, b] * sums[m, b] - minus
+        return _f32(offsets[n, b]) * sums[m, b] - minus
     return -minus
 
 
@@ -553,7 +654,7 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
                             code -= np.int64(zeros[n, b])
                     lanes[_lane(bits, block_size, paired, signed, i)] += code * np.int64(
                         q[m, _q_index(bits, block_size, num_blocks, b, i)])
-                sd = scales[n, b] * d[m, b]
+                sd = _f32(scales[n, b]) * d[m, b]
                 if paired:               # lanes 4 (b % 2) .. 4 (b % 2) + 3
                     for lane in range(4):
                         at = 4 * (b % 2) + lane

@@ -35,7 +35,9 @@ term) but for signed 8-bit codes:
   i32: at most 2 * 255 * 127): lane ``l`` holds positions ``2l, 2l + 1``
   (and, for 32 inputs, ``16 + 2l, 17 + 2l``).
 
-Positions are those of the block's inputs in the quantized row (4 bits: even
+Scales and offsets are float32 or float16 bit patterns (``i16`` loads
+bitcast to ``half`` and widened by ``fpext``: exact, so the same float32
+values). Positions are those of the block's inputs in the quantized row (4 bits: even
 inputs, then odd; 8 bits: as they come).
 """
 
@@ -49,6 +51,7 @@ from numba.extending import intrinsic
 __all__ = ["q8_span_intrinsic"]
 
 _F32 = ir.FloatType()
+_F16 = ir.HalfType()
 _I8 = ir.IntType(8)
 _I16 = ir.IntType(16)
 _I32 = ir.IntType(32)
@@ -78,6 +81,30 @@ def _call(builder, name, ret, args):
 def _load(builder, base, at, vty):
     ptr = builder.bitcast(builder.gep(base, [at]), vty.as_pointer())
     return builder.load(ptr, align=1)
+
+
+def _floats(builder, base, at, count=None):
+    """float32 values at ``base[at]``: one (``count`` None) or a vector of
+    ``count``; ``base`` a ``float *`` or an ``i16 *`` of float16 bit patterns,
+    widened exactly (``fpext``: ``vcvtph2ps`` with F16C)."""
+    half = base.type.pointee == _I16
+    if count is None:
+        value = builder.load(builder.gep(base, [at]))
+        return builder.fpext(builder.bitcast(value, _F16), _F32) if half else value
+    vty = ir.VectorType(_I16 if half else _F32, count)
+    value = builder.load(builder.bitcast(builder.gep(base, [at]), vty.as_pointer()),
+                         align=2 if half else 4)
+    if not half:
+        return value
+    if count == _LANES:
+        return builder.fpext(builder.bitcast(value, ir.VectorType(_F16, count)), _V8F)
+    # fewer than 8 widened as 8 lanes, then the first ones taken
+    undef = ir.Constant(vty, ir.Undefined)
+    wide = builder.shuffle_vector(value, undef, ir.Constant(
+        _V8I, [i if i < count else count for i in range(_LANES)]))
+    wide = builder.fpext(builder.bitcast(wide, ir.VectorType(_F16, _LANES)), _V8F)
+    return builder.shuffle_vector(wide, ir.Constant(_V8F, ir.Undefined),
+                                  ir.Constant(ir.VectorType(_I32, count), list(range(count))))
 
 
 def _tree(builder, vec):
@@ -184,24 +211,17 @@ def _block_term(builder, offsets_on, zeros, scales, offsets, rows, at, vty, sign
     """``offset * s - (scale * zero) * dq`` of the blocks at ``at`` for each row
     (``signed``: ``offset * s``): 8 blocks as lanes (``vty`` a vector) or one
     (``vty`` float)."""
+    count = vty.count if isinstance(vty, ir.VectorType) else None
+
+    def load(base):
+        return _floats(builder, base, at, count)
+
     if signed:
-        if isinstance(vty, ir.VectorType):
-            def load(base):
-                return builder.load(builder.bitcast(builder.gep(base, [at]), vty.as_pointer()),
-                                    align=4)
-        else:
-            def load(base):
-                return builder.load(builder.gep(base, [at]))
         offset = load(offsets)
         return [builder.fmul(offset, load(sums)) for _, _, _, sums in rows]
-    if isinstance(vty, ir.VectorType):
-        def load(base):
-            return builder.load(builder.bitcast(builder.gep(base, [at]), vty.as_pointer()),
-                                align=4)
+    if count is not None:
         zero = builder.uitofp(builder.zext(_load(builder, zeros, at, _V8B), _V8I), vty)
     else:
-        def load(base):
-            return builder.load(builder.gep(base, [at]))
         zero = builder.uitofp(builder.load(builder.gep(zeros, [at])), vty)
     zs = builder.fmul(load(scales), zero)
     offset = load(offsets) if offsets_on else None
@@ -228,8 +248,7 @@ def _paired_dots(builder, codes, scales, rows, num_pairs):
     hi = builder.and_(builder.lshr(c, ir.Constant(_V32B, [4] * 32)), mask)
     v2f = ir.VectorType(_F32, 2)
     at_scale = builder.mul(p, ir.Constant(intp, 2))
-    scale = builder.load(builder.bitcast(builder.gep(scales, [at_scale]), v2f.as_pointer()),
-                         align=4)
+    scale = _floats(builder, scales, at_scale, 2)
     at_q = builder.mul(p, ir.Constant(intp, 64))
     ones = ir.Constant(_V16W, [1] * 16)
     spread = ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1])
@@ -276,7 +295,7 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
         single_from = builder.mul(builder.sdiv(num_blocks, ir.Constant(intp, 2)),
                                   ir.Constant(intp, 2))
     b, phis, finish = _loop(builder, "q8_dot", single_from, num_blocks, accs)
-    scale = builder.load(builder.gep(scales, [b]))
+    scale = _floats(builder, scales, b)
     at_code = builder.mul(b, ir.Constant(intp, block_size * bits // 8))
     if signed:
         c = _signed_codes(builder, codes, at_code, builder.load(builder.gep(zeros, [b])))
@@ -295,8 +314,14 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
             for acc, lane, tail in zip(accs, lanes, tails)]
 
 
+def _element(arrty):
+    """The IR element type of a float32 array, or of a uint16 one (float16 bits)."""
+    return _I16 if arrty.dtype == types.uint16 else _F32
+
+
 class _Rows:
-    """A 2-D C-contiguous array's data pointer and row stride (bytes)."""
+    """A 2-D array's data pointer and row stride (bytes); each row contiguous
+    (the row stride may be 0: every row the same)."""
 
     def __init__(self, context, builder, arrty, arr):
         ary = context.make_array(arrty)(context, builder, arr)
@@ -316,7 +341,9 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on, signed=False):
     rows ``m .. m + num_rows - 1``; the offset term is included when
     ``offsets_on`` (``offsets`` is not read otherwise); ``signed`` (8 bits,
     block 32 only): the zero point folded into the codes, which the caller has
-    checked (every ``code - zero`` in -128..127)."""
+    checked (every ``code - zero`` in -128..127). ``scales`` and ``offsets``
+    are float32, or uint16 holding float16 bit patterns (widened exactly);
+    ``zeros`` may repeat one row (row stride 0)."""
     if signed and (bits, block_size) != (8, 32):
         raise ValueError(f"Invalid signed span: needs 8 bits, block 32, got {bits} bits, "
                          f"block {block_size}")
@@ -340,8 +367,9 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on, signed=False):
             n, _, finish = _loop(builder, "q8_span", lo_v, hi_v, [])
             totals = _output(
                 builder, bits, block_size, offsets_on, a_codes.row(builder, n, _I8),
-                a_zeros.row(builder, n, _I8), a_scales.row(builder, n, _F32),
-                a_offsets.row(builder, n, _F32) if offsets_on else None, rows, num_blocks,
+                a_zeros.row(builder, n, _I8), a_scales.row(builder, n, _element(sig.args[2])),
+                a_offsets.row(builder, n, _element(sig.args[3])) if offsets_on else None, rows,
+                num_blocks,
                 signed)
             for out_row, total in zip(outs, totals):
                 builder.store(total, builder.gep(out_row, [n]))
