@@ -300,3 +300,26 @@ def test_attention_parallel_and_serial_agree_with_numpy(window):
             p = np.exp(scores - scores.max())
             want = (p / p.sum()) @ v[row, g, first:last + 1]
             np.testing.assert_allclose(got[row, h * d:(h + 1) * d], want, rtol=0, atol=2e-6)
+
+
+def test_float_steps_leave_large_batches_to_the_graph_int8_ones_take_them():
+    from pagedkv_np.onnxruntime.native import FLOAT_MAX_ROWS
+
+    c = GEOMETRIES["llama"]
+    weights = _weights(c, "q4_1", seed=8)
+    model = build_decoder(c, weights, family="gqa")
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(0, c.vocab_size, 4 + n).tolist() for n in range(FLOAT_MAX_ROWS + 2)]
+    for int8 in (False, True):
+        decoder = OrtDecoder(model, eos_token_id=[], int8_activations=int8, page_size=4,
+                             max_batch_size=len(prompts))
+        batch = decoder.generate(prompts, max_new_tokens=6)
+        assert (decoder.native.steps > 0) == int8      # a batch of 6: the graph's, in float32
+        alone = [decoder.generate([p], max_new_tokens=6)[0] for p in prompts]
+        assert decoder.native.steps > 0                 # one at a time: the engine's own
+        if int8:
+            assert batch == alone
+        else:                                           # both exact: the recompute's argmax
+            for prompt, out in zip(prompts, batch):
+                want = _reference(c, weights, prompt + out)[len(prompt) - 1:-1].argmax(-1)
+                assert out == want.tolist()

@@ -218,7 +218,7 @@ give its bits belong together (the IR is apart, in :mod:`.block_q8_ir`).
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numba
 import numpy as np
@@ -357,8 +357,8 @@ def _compact(w: BlockWeight) -> tuple | None:
     halves = [_as_halves(a) for a in (w.scales, w.offsets) if a is not None]
     narrow = w.bits == 8 and all(h is not None for h in halves)
     if narrow:
-        scales = halves[0]
-        offsets = halves[1] if len(halves) > 1 else _NO_OFFSETS
+        scales = cast(np.ndarray, halves[0])
+        offsets = cast(np.ndarray, halves[1]) if len(halves) > 1 else _NO_OFFSETS
     found = (zeros, scales, offsets) if constant or narrow else None
     _COMPACT_BY_ID[key] = found
     weakref.finalize(w, _COMPACT_BY_ID.pop, key, None)

@@ -39,9 +39,13 @@ from ..errors import ConfigError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
 from ..threads import StepThreads
 
-__all__ = ["NativeDecode", "NativeLinear"]
+__all__ = ["FLOAT_MAX_ROWS", "NativeDecode", "NativeLinear"]
 
 _CHUNKS_PER_THREAD = 8
+#: most rows a float32-activation step takes; larger batches decode through
+#: the graph, whose GEMMs win there (SmolLM2, 2 threads, quiet: batch 4 1.11x
+#: the graph's tokens/s, batch 8 0.70x; int8 steps take every batch, 1.35x at 8)
+FLOAT_MAX_ROWS = 4
 # multiply-adds of one layer's attention (positions x heads x head_dim) from which
 # its heads run in parallel: SmolLM2 (9 heads of 64) from about 100 positions
 _PARALLEL_ATTENTION = 1 << 16
@@ -227,6 +231,8 @@ class NativeDecode:
         #: machine, 1 when that has been faster lately (see StepThreads)
         self.step_threads = StepThreads(min(threads or numba.get_num_threads(), pool))
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
+        #: decode steps computed so far
+        self.steps = 0
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
@@ -262,6 +268,12 @@ class NativeDecode:
         c = self.geometry
         return c.hidden_size if self.head is None else self.head.out_features
 
+    def takes(self, rows: int) -> bool:
+        """Whether this step computes a batch of ``rows`` (else the graph does):
+        every batch with int8 activations (whose numbers must not depend on
+        the batch), up to :data:`FLOAT_MAX_ROWS` with float32 ones."""
+        return self.int8 or rows <= FLOAT_MAX_ROWS
+
     def warmup(self) -> None:
         """Compile the kernels now (seconds the first time, then from Numba's
         cache): a step with each thread count :attr:`step_threads` may pick
@@ -277,6 +289,7 @@ class NativeDecode:
         ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, kv[0][0], kv[0][1],
                    np.zeros(1, np.int64), 0, np.float32(1.0), q.copy())
         self.step_threads.forget()
+        self.steps = 0
 
     @contextlib.contextmanager
     def _numba_threads(self, size: int) -> Iterator[None]:
@@ -346,6 +359,7 @@ class NativeDecode:
                               f"{positions.max()} for capacity {capacity} / "
                               f"{self.max_positions}, or a token outside the vocabulary")
         bufs = self._buffers_for(b)
+        self.steps += 1
         with self._numba_threads(b):
             return self._step(tokens, positions, kv, bufs)
 

@@ -272,7 +272,8 @@ class GqaRunner(Runner):
     ``step(tokens, lens, buffers)`` writes each new token's K/V into the
     per-layer ``buffers`` at ``lens`` and returns the rows the graph would
     output (logits, or hidden states for ``head``), e.g.
-    :class:`~pagedkv_np.onnxruntime.native.NativeDecode`.
+    :class:`~pagedkv_np.onnxruntime.native.NativeDecode`; one with a
+    ``takes(rows)`` method computes only the batches it says yes to.
     """
 
     def __init__(self, session, io, head=None, step: Step | None = None) -> None:
@@ -354,7 +355,8 @@ class GqaRunner(Runner):
         self._bufs, self._binding, self.capacity = bufs, binding, capacity
 
     def decode(self, tokens: np.ndarray, lens: np.ndarray):
-        if self.step is not None:
+        takes = getattr(self.step, "takes", None)    # a step may leave some batches to the graph
+        if self.step is not None and (takes is None or takes(tokens.shape[0])):
             rows = self.step(tokens, lens, self._bufs)
             self._next = lens + 1
             return self._logits(rows)
