@@ -72,7 +72,7 @@ from .block_gemv_ir import block_dot_intrinsic, buffer_dot_intrinsic, store_intr
 from .jit import jit_kernel
 from ..errors import ConfigError, DTypeError, ShapeError
 
-__all__ = ["BlockWeight", "block_matmul"]
+__all__ = ["BlockWeight", "block_matmul", "product_operands"]
 
 # Outputs are split into 16 chunks per thread, handed out one at a time
 # (numba.set_parallel_chunksize(1)): on a busy machine a thread that loses its
@@ -201,24 +201,10 @@ def block_matmul(x: np.ndarray, weight: Any,
     ShapeError
         ``x`` is not 2-D with ``K`` columns, or ``out`` is not C-contiguous ``[M, N]``.
     """
-    w = weight if isinstance(weight, BlockWeight) else BlockWeight.from_nbits(weight)
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
-        raise DTypeError(f"Invalid x: expected a float32 array, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    if x.ndim != 2 or x.shape[1] != w.in_features:
-        raise ShapeError(f"Invalid x: expected shape [M, {w.in_features}], got {x.shape}")
-    m, n = x.shape[0], w.out_features
-    if out is None:
-        out = np.empty((m, n), np.float32)
-    elif not isinstance(out, np.ndarray) or out.dtype != np.float32:
-        raise DTypeError(f"Invalid out: expected a float32 array, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)}")
-    elif out.shape != (m, n) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ShapeError(f"Invalid out: expected a writeable C-contiguous ({m}, {n}) array, "
-                         f"got {out.shape}")
+    w, x, out = product_operands(x, weight, out)
+    m, n = out.shape
     if m == 0:
         return out
-    x = np.ascontiguousarray(x)
     chunks = min(n, numba.get_num_threads() * _CHUNKS_PER_THREAD)
     if w.offsets is None:
         sums, offsets = np.zeros((m, 0), np.float32), np.zeros((n, 0), np.float32)
@@ -237,6 +223,39 @@ def block_matmul(x: np.ndarray, weight: Any,
     finally:
         numba.set_parallel_chunksize(before)
     return out
+
+
+def product_operands(x: np.ndarray, weight: Any,
+                     out: np.ndarray | None = None) -> tuple[BlockWeight, np.ndarray, np.ndarray]:
+    """The checked operands of a block product (:func:`block_matmul`, and
+    :func:`~pagedkv_np.backends.block_q8.q8_matmul`): the weight laid out,
+    ``x`` C-contiguous, and ``out`` (allocated when None).
+
+    Raises
+    ------
+    DTypeError
+        ``x`` or ``out`` is not float32.
+    ShapeError
+        ``x`` is not 2-D with ``K`` columns, or ``out`` is not a writeable
+        C-contiguous ``[M, N]`` array.
+    """
+    w = weight if isinstance(weight, BlockWeight) else BlockWeight.from_nbits(weight)
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
+        raise DTypeError(f"Invalid x: expected a float32 array, got "
+                         f"{getattr(x, 'dtype', type(x).__name__)}")
+    if x.ndim != 2 or x.shape[1] != w.in_features:
+        raise ShapeError(f"Invalid x: expected shape [M, {w.in_features}], got {x.shape}")
+    m, n = x.shape[0], w.out_features
+    if out is None:
+        out = np.empty((m, n), np.float32)
+    elif not isinstance(out, np.ndarray) or out.dtype != np.float32:
+        raise DTypeError(f"Invalid out: expected a float32 array, got "
+                         f"{getattr(out, 'dtype', type(out).__name__)}")
+    elif out.shape != (m, n) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ShapeError(f"Invalid out: expected a writeable C-contiguous ({m}, {n}) array, "
+                         f"got {out.shape}")
+    x = np.ascontiguousarray(x)
+    return w, x, out
 
 
 @jit_kernel

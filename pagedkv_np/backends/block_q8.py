@@ -226,10 +226,9 @@ from llvmlite import binding as llvm_binding
 from numba import prange, types
 from numba.extending import overload
 
-from .block_gemv import BlockWeight
+from .block_gemv import BlockWeight, product_operands
 from .block_q8_ir import q8_span_intrinsic
 from .jit import jit_kernel
-from ..errors import DTypeError, ShapeError
 
 __all__ = ["HAS_AVX2", "q8_matmul", "q8_quantize_row", "q8_quantize", "q8_gemm",
            "q8_gemm_portable"]
@@ -271,24 +270,10 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
         ``x`` is not 2-D with ``K`` columns, or ``out`` is not a writeable
         C-contiguous ``[M, N]`` array.
     """
-    w = weight if isinstance(weight, BlockWeight) else BlockWeight.from_nbits(weight)
-    if not isinstance(x, np.ndarray) or x.dtype != np.float32:
-        raise DTypeError(f"Invalid x: expected a float32 array, got "
-                         f"{getattr(x, 'dtype', type(x).__name__)}")
-    if x.ndim != 2 or x.shape[1] != w.in_features:
-        raise ShapeError(f"Invalid x: expected shape [M, {w.in_features}], got {x.shape}")
-    m, n = x.shape[0], w.out_features
-    if out is None:
-        out = np.empty((m, n), np.float32)
-    elif not isinstance(out, np.ndarray) or out.dtype != np.float32:
-        raise DTypeError(f"Invalid out: expected a float32 array, got "
-                         f"{getattr(out, 'dtype', type(out).__name__)}")
-    elif out.shape != (m, n) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ShapeError(f"Invalid out: expected a writeable C-contiguous ({m}, {n}) array, "
-                         f"got {out.shape}")
+    w, x, out = product_operands(x, weight, out)
+    m, n = out.shape
     if m == 0:
         return out
-    x = np.ascontiguousarray(x)
     signed = _signed(w)
     compact = _compact(w) if _USE_COMPACT else None
     if compact is not None:
