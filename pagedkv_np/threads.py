@@ -291,15 +291,17 @@ class StepThreads:
         The thread count on a quiet machine (1: always 1).
     probe_every : int
         Steps between two tries of the count that is not the current choice.
+    adaptive : bool
+        False: every step takes ``most`` threads (for measuring the choice).
     """
 
     #: weight of the newest time in a count's running mean
     SMOOTHING = 0.3
 
-    def __init__(self, most: int, probe_every: int = 16) -> None:
+    def __init__(self, most: int, probe_every: int = 16, adaptive: bool = True) -> None:
         self.most = _count(most, "most", allow_none=False) or 1
         self.probe_every = _count(probe_every, "probe_every", allow_none=False) or 1
-        self.counts = (self.most, 1) if self.most > 1 else (1,)
+        self.counts = (self.most, 1) if self.most > 1 and adaptive else (self.most,)
         self._mean: dict[tuple[int, int], float] = {}
         self._steps = 0
         self._last: tuple[int, int] | None = None

@@ -16,6 +16,17 @@ no-spin
     the budget without spinning (the budget before the bounded spin).
 ort-spin
     the budget with onnxruntime's own (unbounded) spin.
+graph
+    the budget with decode steps through onnxruntime's graph
+    (``native_decode=False``), as before the engine's own step.
+native-spin
+    the budget with Numba's OpenMP threads spinning while idle
+    (``OMP_WAIT_POLICY=ACTIVE``; the budget bounds their spin,
+    ``GOMP_SPINCOUNT``, see :func:`~pagedkv_np.threads.openmp_defaults`).
+step-2, step-1
+    the budget with every step of the engine's own decode on 2 Numba threads,
+    or on 1, instead of the count :class:`~pagedkv_np.threads.StepThreads`
+    picks by recent step times.
 
 Each run is a fresh process that loads SmolLM2-135M-Instruct
 (``OrtDecoder.from_pretrained()``, exact 4-bit weights) and measures
@@ -55,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedkv_np.bench.timing import fmt_spread, rotated, run_json  # noqa: E402
 from pagedkv_np.demo import QUESTIONS, SYSTEM_PROMPT  # noqa: E402
 
-POLICIES = ("defaults", "spin-off", "numba-serial", "budget", "no-spin", "ort-spin")
+POLICIES = ("defaults", "spin-off", "numba-serial", "budget", "no-spin", "ort-spin", "graph",
+            "native-spin", "step-2", "step-1")
 STATES = ("quiet", "busy")
 
 
@@ -68,7 +80,7 @@ def _budget(policy: str):
         return ThreadBudget(spin=False)
     if policy == "numba-serial":
         return ThreadBudget(kernel_threads=1)
-    if policy == "budget":
+    if policy in ("budget", "graph", "native-spin", "step-2", "step-1"):
         return None                       # OrtDecoder's own default
     if policy in ("no-spin", "ort-spin"):
         from pagedkv_np.threads import thread_budget
@@ -111,11 +123,19 @@ def _decode_rate(dec, prompts: list, new_tokens: int) -> float:
 def child(args) -> int:
     """One policy's run; prints its figures as JSON."""
     load = os.getloadavg()[0]
+    if args.child == "native-spin":     # before libgomp loads (the first parallel kernel)
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+        os.environ.pop("GOMP_SPINCOUNT", None)
     from pagedkv_np.onnxruntime import OrtDecoder
+    from pagedkv_np.threads import StepThreads
 
     budget = _budget(args.child)
-    kw = {} if budget is None else {"threads": budget}
+    kw: dict = {} if budget is None else {"threads": budget}
+    if args.child == "graph":
+        kw["native_decode"] = False
     dec = OrtDecoder.from_pretrained(num_pages=512, page_size=16, max_batch_size=8, **kw)
+    if args.child in ("step-2", "step-1") and dec.native is not None:
+        dec.native.step_threads = StepThreads(int(args.child[-1]), adaptive=False)
     system = {"role": "system", "content": SYSTEM_PROMPT}
     chats = [dec.encode_chat([system, {"role": "user", "content": q}]) for q in QUESTIONS]
     dec.generate([chats[0]], max_new_tokens=2)        # the session's first run; caches

@@ -323,3 +323,31 @@ def test_float_steps_leave_large_batches_to_the_graph_int8_ones_take_them():
             for prompt, out in zip(prompts, batch):
                 want = _reference(c, weights, prompt + out)[len(prompt) - 1:-1].argmax(-1)
                 assert out == want.tolist()
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_linear_matches_the_checked_product_and_refuses_wrong_buffers(int8):
+    import numba
+
+    from pagedkv_np.backends.block_gemv import block_matmul
+    from pagedkv_np.backends.block_q8 import q8_matmul
+    from pagedkv_np.errors import ShapeError
+    from pagedkv_np.onnxruntime.native import NativeLinear
+
+    c = GEOMETRIES["llama"]
+    native = NativeDecode(build_decoder(c, _weights(c, "q4_1"), family="gqa"), c)
+    weight = native.layers[0].down.weight
+    linear = NativeLinear(weight, int8)
+    x = np.random.default_rng(3).standard_normal((3, linear.in_features)).astype(np.float32)
+    want = (q8_matmul if int8 else block_matmul)(x, weight)
+    for threads in range(1, numba.get_num_threads() + 1):   # same bits for any count
+        out = np.full((3, linear.out_features), np.nan, np.float32)
+        np.testing.assert_array_equal(linear(x, out, threads), want)
+    out = np.zeros((3, linear.out_features), np.float32)
+    for bad_x, bad_out, error in [(x[:, :-1], out, ShapeError), (x, out[:, :-1], ShapeError),
+                                  (x.astype(np.float64), out, DTypeError),
+                                  (np.asfortranarray(x), out, ShapeError),
+                                  (x, out[:2], ShapeError)]:
+        with pytest.raises(error):
+            linear(bad_x, bad_out, 1)
+        assert not out.any()                  # nothing written

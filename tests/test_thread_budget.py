@@ -327,6 +327,10 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
     st.forget()
     assert st.pick(1) == 2
     assert StepThreads(1).counts == (1,)
+    fixed = StepThreads(2, probe_every=1, adaptive=False)
+    for _ in range(6):                        # never probes 1, however slow 2 is
+        assert fixed.pick(1) == 2
+        fixed.record(1, 2, 1.0)
     with pytest.raises(ConfigError):
         StepThreads(0)
 

@@ -72,7 +72,7 @@ from .block_gemv_ir import block_dot_intrinsic, buffer_dot_intrinsic, store_intr
 from .jit import jit_kernel
 from ..errors import ConfigError, DTypeError, ShapeError
 
-__all__ = ["BlockWeight", "block_matmul", "product_operands"]
+__all__ = ["BlockWeight", "block_matmul", "block_product", "product_operands"]
 
 # Outputs are split into 16 chunks per thread, handed out one at a time
 # (numba.set_parallel_chunksize(1)): on a busy machine a thread that loses its
@@ -206,23 +206,44 @@ def block_matmul(x: np.ndarray, weight: Any,
     if m == 0:
         return out
     chunks = min(n, numba.get_num_threads() * _CHUNKS_PER_THREAD)
-    if w.offsets is None:
-        sums, offsets = np.zeros((m, 0), np.float32), np.zeros((n, 0), np.float32)
-    else:
-        sums = np.empty((m, w.in_features // w.block_size), np.float32)
-        _block_sums(x, w.block_size, sums)
-        offsets = w.offsets
-    if w.bits == 8:
-        even = odd = x
-    else:
-        even, odd = np.ascontiguousarray(x[:, 0::2]), np.ascontiguousarray(x[:, 1::2])
     before = numba.set_parallel_chunksize(1)
     try:
-        _gemm(even, odd, w.codes, w.zeros, w.scales, sums, offsets, w.bits, w.block_size,
-              chunks, out)
+        block_product(x, w, chunks, out)
     finally:
         numba.set_parallel_chunksize(before)
     return out
+
+
+# a weight without offsets: the kernels read offsets only when shape[1] != 0
+_NO_OFFSETS = np.zeros((0, 0), np.float32)
+
+
+def block_product(x: np.ndarray, w: BlockWeight, chunks: int, out: np.ndarray) -> None:
+    """:func:`block_matmul`'s product without its checks, for a caller that
+    checked the shapes once and owns the buffers: ``x`` a C-contiguous float32
+    ``[M, K]`` with ``M`` >= 1, ``out`` a C-contiguous float32 ``[M, N]``, the
+    outputs in ``chunks`` >= 1 chunks (best under
+    ``numba.set_parallel_chunksize(1)``). Same bits for any ``chunks``."""
+    offsets = _NO_OFFSETS if w.offsets is None else w.offsets
+    _product(x, w.codes, w.zeros, w.scales, offsets, w.bits, w.block_size, chunks, out)
+
+
+@jit_kernel
+def _product(x, codes, zeros, scales, offsets, bits, block_size, chunks, out):
+    """:func:`block_product` in one jitted call: the block sums (with offsets)
+    and the even/odd columns (4 bits), then :func:`_gemm`."""
+    m = x.shape[0]
+    if offsets.shape[1] == 0:
+        sums = np.zeros((m, 0), np.float32)
+    else:
+        sums = np.empty((m, x.shape[1] // block_size), np.float32)
+        _block_sums(x, block_size, sums)
+    if bits == 8:
+        _gemm(x, x, codes, zeros, scales, sums, offsets, bits, block_size, chunks, out)
+    else:
+        even = np.ascontiguousarray(x[:, 0::2])
+        odd = np.ascontiguousarray(x[:, 1::2])
+        _gemm(even, odd, codes, zeros, scales, sums, offsets, bits, block_size, chunks, out)
 
 
 def product_operands(x: np.ndarray, weight: Any,

@@ -230,8 +230,8 @@ from .block_gemv import BlockWeight, product_operands
 from .block_q8_ir import q8_span_intrinsic
 from .jit import jit_kernel
 
-__all__ = ["HAS_AVX2", "q8_matmul", "q8_quantize_row", "q8_quantize", "q8_gemm",
-           "q8_gemm_portable"]
+__all__ = ["HAS_AVX2", "q8_matmul", "q8_operands", "q8_product", "q8_quantize_row",
+           "q8_quantize", "q8_gemm", "q8_gemm_portable"]
 
 #: whether the host CPU has AVX2 (then :func:`q8_gemm` runs the LLVM IR kernel)
 HAS_AVX2 = llvm_binding.get_host_cpu_features().get("avx2", False)
@@ -274,27 +274,43 @@ def q8_matmul(x: np.ndarray, weight: Any, out: np.ndarray | None = None) -> np.n
     m, n = out.shape
     if m == 0:
         return out
-    signed = _signed(w)
+    # numba.get_num_threads() costs 2-6 µs but in jitted code would keep
+    # _matmul out of the disk cache
+    threads = numba.get_num_threads()
+    if threads == 1:                     # no parallel region to start
+        q8_product(x, q8_operands(w), 0, out)
+        return out
+    before = numba.set_parallel_chunksize(1)
+    try:
+        q8_product(x, q8_operands(w), min(n, threads * _CHUNKS_PER_THREAD), out)
+    finally:
+        numba.set_parallel_chunksize(before)
+    return out
+
+
+def q8_operands(w: BlockWeight) -> tuple:
+    """What :func:`q8_product` reads of ``w``: its codes, zero points, scales,
+    offsets (the compact form where it has one), bits, block size and whether
+    it takes the signed path; worked out once per weight object."""
     compact = _compact(w) if _USE_COMPACT else None
     if compact is not None:
         zeros, scales, offsets = compact
     else:
         zeros, scales = w.zeros, w.scales
         offsets = w.offsets if w.offsets is not None else _NO_OFFSETS
+    return (w.codes, zeros, scales, offsets, w.bits, w.block_size, _signed(w))
+
+
+def q8_product(x: np.ndarray, operands: tuple, chunks: int, out: np.ndarray) -> None:
+    """:func:`q8_matmul`'s product without its checks, for a caller that checked
+    the shapes once and owns the buffers: ``x`` a C-contiguous float32 ``[M,
+    K]``, ``out`` a C-contiguous float32 ``[M, N]``, ``operands`` from
+    :func:`q8_operands` of a ``[K, N]`` weight. ``chunks`` 0 runs on the calling
+    thread; otherwise the outputs split into ``chunks`` chunks (best under
+    ``numba.set_parallel_chunksize(1)``). Same bits either way."""
     # one jitted call that allocates, quantizes and multiplies (the five NumPy
-    # allocations took 5.4 µs a call at load 4.4; numba.get_num_threads() costs
-    # 2-6 µs but in jitted code would keep _matmul out of the disk cache)
-    threads = numba.get_num_threads()
-    if threads == 1:                     # no parallel region to start
-        _matmul(x, w.codes, zeros, scales, offsets, w.bits, w.block_size, signed, 0, out)
-        return out
-    before = numba.set_parallel_chunksize(1)
-    try:
-        _matmul(x, w.codes, zeros, scales, offsets, w.bits, w.block_size, signed,
-                min(n, threads * _CHUNKS_PER_THREAD), out)
-    finally:
-        numba.set_parallel_chunksize(before)
-    return out
+    # allocations took 5.4 µs a call at load 4.4)
+    _matmul(x, *operands, chunks, out)
 
 
 # id(weight) -> whether its codes go signed; an entry leaves with its weight

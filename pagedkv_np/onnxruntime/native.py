@@ -33,15 +33,18 @@ from typing import Any
 import numpy as np
 
 from ..backends import decode_ops as ops
-from ..backends.block_gemv import BlockWeight, block_matmul
-from ..backends.block_q8 import q8_matmul
-from ..errors import ConfigError, UnsupportedModelError
+from ..backends.block_gemv import BlockWeight, block_product
+from ..backends.block_q8 import q8_operands, q8_product
+from ..errors import ConfigError, DTypeError, ShapeError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
 from ..threads import StepThreads
 
 __all__ = ["FLOAT_MAX_ROWS", "NativeDecode", "NativeLinear"]
 
 _CHUNKS_PER_THREAD = 8
+# chunks per thread of a block product: 16, handed out one at a time (as
+# block_matmul and q8_matmul), so that a thread that loses its core holds back little
+_Q8_CHUNKS = 16
 #: most rows a float32-activation step takes; larger batches decode through
 #: the graph, whose GEMMs win there (SmolLM2, 2 threads, quiet: batch 4 1.11x
 #: the graph's tokens/s, batch 8 0.70x; int8 steps take every batch, 1.35x at 8)
@@ -54,7 +57,12 @@ _PARALLEL_ATTENTION = 1 << 16
 class NativeLinear:
     """``x @ w`` for a weight in blocks (:class:`BlockWeight`) or float32 ``[K, N]``;
     ``int8``: blocks multiply activations rounded to int8 per block
-    (:func:`~pagedkv_np.backends.block_q8.q8_matmul`), not float32 ones."""
+    (:func:`~pagedkv_np.backends.block_q8.q8_matmul`), not float32 ones.
+
+    Calling it checks ``x`` and ``out`` against the weight's shape, then runs
+    the kernel without the per-call preparation of
+    :func:`~pagedkv_np.backends.block_gemv.block_matmul` (done once here).
+    """
 
     def __init__(self, weight: BlockWeight | np.ndarray, int8: bool = False) -> None:
         self.weight = weight
@@ -63,14 +71,42 @@ class NativeLinear:
             self.in_features, self.out_features = weight.in_features, weight.out_features
         else:
             self.in_features, self.out_features = weight.shape
+        self._operands = q8_operands(weight) if int8 and isinstance(weight, BlockWeight) \
+            else None
 
-    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
-        if isinstance(self.weight, BlockWeight):
-            return (q8_matmul if self.int8 else block_matmul)(x, self.weight, out=out)
-        import numba
+    def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> np.ndarray:
+        """``out[:] = x @ w`` with ``threads`` Numba threads (default: Numba's
+        current count; the caller sets ``numba.set_parallel_chunksize(1)``).
 
-        chunks = min(self.out_features, numba.get_num_threads() * _CHUNKS_PER_THREAD)
-        ops.float_matmul(x, self.weight, chunks, out)
+        Raises
+        ------
+        DTypeError
+            ``x`` or ``out`` is not float32.
+        ShapeError
+            ``x`` or ``out`` is not a C-contiguous ``[M, K]`` / ``[M, N]``.
+        """
+        m = x.shape[0]
+        if x.dtype != np.float32 or out.dtype != np.float32:
+            raise DTypeError(f"Invalid product: x {x.dtype}, out {out.dtype}; expected float32")
+        if (x.shape != (m, self.in_features) or out.shape != (m, self.out_features)
+                or not x.flags.c_contiguous or not out.flags.c_contiguous):
+            raise ShapeError(f"Invalid product: x {x.dtype}{x.shape}, out {out.dtype}"
+                             f"{out.shape} for a [{self.in_features}, {self.out_features}] "
+                             f"weight")
+        if m == 0:
+            return out
+        if threads is None:
+            import numba
+
+            threads = numba.get_num_threads()
+        if self._operands is not None:
+            chunks = 0 if threads == 1 else min(self.out_features, threads * _Q8_CHUNKS)
+            q8_product(x, self._operands, chunks, out)
+        elif isinstance(self.weight, BlockWeight):
+            block_product(x, self.weight, min(self.out_features, threads * _Q8_CHUNKS), out)
+        else:
+            chunks = min(self.out_features, threads * _CHUNKS_PER_THREAD)
+            ops.float_matmul(x, self.weight, chunks, out)
         return out
 
 
@@ -233,6 +269,7 @@ class NativeDecode:
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
         #: decode steps computed so far
         self.steps = 0
+        self._threads = 1
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
@@ -300,11 +337,14 @@ class NativeDecode:
         before = numba.get_num_threads()
         n = self.step_threads.pick(size)
         numba.set_num_threads(n)
+        chunksize = numba.set_parallel_chunksize(1)
+        self._threads = n
         start = time.perf_counter()
         try:
             yield
         finally:
             self.step_threads.record(size, n, time.perf_counter() - start)
+            numba.set_parallel_chunksize(chunksize)
             numba.set_num_threads(before)
 
     def _buffers_for(self, b: int) -> dict[str, np.ndarray]:
@@ -324,14 +364,14 @@ class NativeDecode:
     def _run(self, linears: list[NativeLinear], x: np.ndarray, bufs: dict,
              packed: str, names: list[str]) -> list[np.ndarray]:
         if len(linears) == 1:
-            y = linears[0](x, bufs[packed])
+            y = linears[0](x, bufs[packed], self._threads)
             out, lo = [], 0
             for name in names:
                 width = bufs[name].shape[1]
                 out.append(y[:, lo:lo + width])
                 lo += width
             return out
-        return [lin(x, bufs[name]) for lin, name in zip(linears, names)]
+        return [lin(x, bufs[name], self._threads) for lin, name in zip(linears, names)]
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray,
                  kv: list[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
@@ -374,7 +414,7 @@ class NativeDecode:
                              tokens, np.float32(c.embed_scale), x)
         else:
             ops.embed_float(e, tokens, np.float32(c.embed_scale), x)
-        eps, hd = np.float32(c.rms_eps), c.head_dim
+        eps, hd, scale = np.float32(c.rms_eps), c.head_dim, np.float32(c.query_scale)
         # heads in parallel once the pasts are long enough to pay for a parallel region
         work = int(positions.sum()) * c.num_heads * hd
         attend = ops.attend if work >= _PARALLEL_ATTENTION else ops.attend_serial
@@ -391,22 +431,23 @@ class NativeDecode:
             ops.rope(k, c.num_kv_heads, hd, layer.cos, layer.sin, positions)
             ops.write_kv(k, v, c.num_kv_heads, hd, kbuf, vbuf, positions)
             attend(q, c.num_heads, c.num_kv_heads, hd, kbuf, vbuf, positions,
-                   layer.window, np.float32(c.query_scale), bufs["attn"])
-            o = layer.wo(bufs["attn"], bufs["o"])
+                   layer.window, scale, bufs["attn"])
+            o = layer.wo(bufs["attn"], bufs["o"], self._threads)
             if layer.post_attn is not None:
                 ops.rms_norm(o, layer.post_attn, eps, o)
             ops.add_into(x, o)
             ops.rms_norm(x, layer.mlp_norm, eps, h)
             gate, up = self._run(layer.gate_up, h, bufs, "gate_up", ["gate", "up"])
             ops.gated(gate, up, self.activation, bufs["act"])
-            d = layer.down(bufs["act"], bufs["down"])
+            d = layer.down(bufs["act"], bufs["down"], self._threads)
             if layer.post_mlp is not None:
                 ops.rms_norm(d, layer.post_mlp, eps, d)
             ops.add_into(x, d)
         ops.rms_norm(x, self.final_norm, eps, h)
         if self.head is None:
             return h.copy()
-        logits = self.head(h, np.empty((h.shape[0], self.head.out_features), np.float32))
+        logits = self.head(h, np.empty((h.shape[0], self.head.out_features), np.float32),
+                           self._threads)
         if c.final_softcap:
             cap = np.float32(c.final_softcap)
             np.tanh(logits / cap, out=logits)
