@@ -8,7 +8,7 @@ decoding, ``depth`` tokens of context already cached before the timed
 steps, in three engines built alike but for their decode step:
 
 * ``native_decode=False``: onnxruntime runs the graph (``time_graph_step``);
-* the default: the engine's own Numba step, float32 activations
+* ``native_decode=True``: the engine's own Numba step, float32 activations
   (``time_native_step``);
 * ``int8_activations=True``: the same, activations rounded to int8 per
   block (``time_native_int8_step``).
@@ -42,7 +42,7 @@ _STEPS = 400   # the most steps one process takes; each adds a token
 # engine keyword arguments by name
 ENGINES = {
     "graph": {"native_decode": False},
-    "native": {},
+    "native": {"native_decode": True},
     "native_int8": {"int8_activations": True},
 }
 

@@ -258,7 +258,7 @@ def thread_budget(threads: Any = None, spin: Any = None, *,
 #: median at load 5 on this 2-core machine; 1,000 spins: 8 ms; passive
 #: threads: 5 ms; Numba's workqueue layer: 8 ms); a thousand spins (tens of
 #: microseconds) still catch the next region of a step.
-DEFAULT_GOMP_SPINCOUNT = 1000
+DEFAULT_GOMP_SPINCOUNT = 30000
 
 
 def openmp_defaults() -> None:

@@ -587,7 +587,7 @@ def run_determinism(args: argparse.Namespace) -> None:
     paths = folders(args.model, args.configs)
     float_alone: dict[str, list] = {}
     for (name, path), activations in ((p, a) for p in paths.items() for a in args.activations):
-        engine = {"int8_activations": activations == "int8"}
+        engine = {"int8_activations": activations == "int8", "native_decode": True}
         dec = OrtDecoder.from_pretrained(str(path), **engine)
         prompts = [dec.encode_chat([{"role": "system", "content": SYSTEM},
                                     {"role": "user", "content": c}]).tolist() for c in CHATS]

@@ -2,7 +2,7 @@
 the engine's own decode step with float32 activations, and with int8 ones.
 
 Three ``OrtDecoder``\\ s of the same model folder (``native_decode=False``;
-the default; ``int8_activations=True``) each decode ``--batch`` requests of
+``native_decode=True``; ``int8_activations=True``) each decode ``--batch`` requests of
 ``--new-tokens`` tokens after a prompt of ``--depth`` tokens (cached by the
 first round's prefill, so every round times decode steps only, from each
 request's first token to its last), rounds interleaved across the three;
@@ -30,7 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = {"graph": {"native_decode": False}, "native": {"int8_activations": False},
+MODES = {"graph": {"native_decode": False},
+         "native": {"native_decode": True, "int8_activations": False},
          "native int8": {"int8_activations": True}}
 
 

@@ -38,12 +38,12 @@ medians over rounds, with pagedkv's figure over llama.cpp's as a ratio
 the two are compared text for text (llama.cpp quantizes activations to 8
 bits in its dot products, so they may part after a while).
 
-pagedkv decodes through the engine's own kernels by default;
-``--int8`` rounds their activations to int8 per block as llama.cpp does
+pagedkv decodes float32 activations through the onnxruntime graph by
+default; ``--int8`` decodes through the engine's own kernels with
+activations rounded to int8 per block as llama.cpp does
 (``int8_activations=True``, ``pagedkv serve --int8-activations``), and
-``--graph-decode`` decodes through the onnxruntime graph instead
-(``native_decode=False``, ``--no-native-decode``), for comparison. The
-header line names the configuration that ran.
+``--graph-decode`` keeps the graph (``native_decode=False``,
+``--no-native-decode``). The header line names the configuration that ran.
 
 ``--quick`` needs no llama.cpp: the peer is a plain onnxruntime loop (one
 request at a time, no cache, the same model file) behind a minimal
@@ -209,9 +209,9 @@ def serve_flags(args) -> list[str]:
 
 
 def describe_decode(args) -> str:
-    if args.graph_decode:
-        return "onnxruntime graph"
-    return "native, int8 activations" if args.int8 else "native, float32 activations"
+    if args.int8:
+        return "native, int8 activations"
+    return "onnxruntime graph" if args.graph_decode else "default (onnxruntime graph)"
 
 
 def start_server(kind: str, args, gguf: str) -> Server:

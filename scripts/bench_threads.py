@@ -23,6 +23,9 @@ native-spin
     the budget with Numba's OpenMP threads spinning while idle
     (``OMP_WAIT_POLICY=ACTIVE``; the budget bounds their spin,
     ``GOMP_SPINCOUNT``, see :func:`~pagedkv_np.threads.openmp_defaults`).
+gomp-N
+    the budget with ``GOMP_SPINCOUNT=N`` for Numba's OpenMP threads (the
+    budget's own bound is :data:`~pagedkv_np.threads.DEFAULT_GOMP_SPINCOUNT`).
 step-2, step-1
     the budget with every step of the engine's own decode on 2 Numba threads,
     or on 1, instead of the count :class:`~pagedkv_np.threads.StepThreads`
@@ -80,7 +83,8 @@ def _budget(policy: str):
         return ThreadBudget(spin=False)
     if policy == "numba-serial":
         return ThreadBudget(kernel_threads=1)
-    if policy in ("budget", "graph", "native-spin", "step-2", "step-1"):
+    if policy in ("budget", "graph", "native-spin", "step-2", "step-1") or \
+            policy.startswith("gomp-"):
         return None                       # OrtDecoder's own default
     if policy in ("no-spin", "ort-spin"):
         from pagedkv_np.threads import thread_budget
@@ -126,6 +130,8 @@ def child(args) -> int:
     if args.child == "native-spin":     # before libgomp loads (the first parallel kernel)
         os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
         os.environ.pop("GOMP_SPINCOUNT", None)
+    elif args.child.startswith("gomp-"):
+        os.environ["GOMP_SPINCOUNT"] = str(int(args.child[5:]))
     from pagedkv_np.onnxruntime import OrtDecoder
     from pagedkv_np.threads import StepThreads
 

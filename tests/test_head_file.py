@@ -66,6 +66,27 @@ def test_a_row_gets_the_same_logits_alone_and_in_a_batch(tmp_path):
         head(x[:, :100])
 
 
+def test_a_head_that_follows_a_thread_count_asks_it_each_call_same_logits(tmp_path):
+    import numba
+
+    save_head(tmp_path / HEAD_FILE, _blocks("q8_0", rows=200).matmul_nbits())
+    head = BlockHead(tmp_path / HEAD_FILE, threads=2)
+    x = np.random.default_rng(4).standard_normal((2, 256)).astype(np.float32)
+    want = head(x)
+    asked: list[int] = []
+
+    def count() -> int:                        # 1, 2, 1, 2, ...
+        asked.append(1 + len(asked) % 2)
+        return asked[-1]
+
+    head.follow(count)
+    before = numba.get_num_threads()
+    for calls in range(1, 5):
+        np.testing.assert_array_equal(head(x), want)     # same bits on 1 or 2 threads
+        assert len(asked) == calls                       # asked once a call
+        assert numba.get_num_threads() == before          # and the caller's count restored
+
+
 def _damage(path, how: str) -> None:
     with np.load(path) as z:
         arrays = {k: z[k] for k in z.files}

@@ -141,12 +141,15 @@ def test_engine_greedy_matches_full_recompute(arch):
     assert native.stats["prefix_hit_tokens"] > 0
 
 
-def test_native_decode_is_default_where_it_can_be():
+def test_native_decode_is_default_where_it_runs_int8_activations():
     c = GEOMETRIES["llama"]
-    model = build_decoder(c, _weights(c, None), family="gqa")
-    decoder = OrtDecoder(model)
-    assert isinstance(decoder.native, NativeDecode)
+    model = build_decoder(c, _weights(c, "q4_1"), family="gqa")
+    assert OrtDecoder(model).native is None                    # float32: the graph's
+    decoder = OrtDecoder(model, int8_activations=True)
+    assert isinstance(decoder.native, NativeDecode) and decoder.native.int8
     assert decoder._batcher.runner.step is decoder.native      # the runner's decode steps
+    forced = OrtDecoder(model, native_decode=True)
+    assert isinstance(forced.native, NativeDecode) and not forced.native.int8
     assert OrtDecoder(model, native_decode=False).native is None
 
 
@@ -252,8 +255,9 @@ def test_int8_activations_follow_the_graphs_accuracy_level():
     weights = _weights(c, "q4_0")
     level4 = build_decoder(c, weights, family="gqa", accuracy_level=4)
     assert OrtDecoder(level4).native.int8
-    assert not OrtDecoder(level4, int8_activations=False).native.int8
-    assert not OrtDecoder(build_decoder(c, weights, family="gqa")).native.int8
+    assert OrtDecoder(level4, int8_activations=False).native is None
+    assert not OrtDecoder(level4, int8_activations=False, native_decode=True).native.int8
+    assert OrtDecoder(build_decoder(c, weights, family="gqa")).native is None
     assert OrtDecoder(level4, native_decode=False).native is None
 
 
@@ -312,7 +316,7 @@ def test_float_steps_leave_large_batches_to_the_graph_int8_ones_take_them():
     prompts = [rng.integers(0, c.vocab_size, 4 + n).tolist() for n in range(FLOAT_MAX_ROWS + 2)]
     for int8 in (False, True):
         decoder = OrtDecoder(model, eos_token_id=[], int8_activations=int8, page_size=4,
-                             max_batch_size=len(prompts))
+                             max_batch_size=len(prompts), native_decode=True)
         batch = decoder.generate(prompts, max_new_tokens=6)
         assert (decoder.native.steps > 0) == int8      # a batch of 6: the graph's, in float32
         alone = [decoder.generate([p], max_new_tokens=6)[0] for p in prompts]

@@ -149,7 +149,7 @@ def test_help_shows_defaults():
     for flag in ("--kv-dtype", "--kv-cache-memory", "--disk-cache", "--disk-cache-size",
                  "--redis-url", "--max-model-len", "--weights", "--accuracy-level",
                  "--max-context", "--access-log", "--served-model-name",
-                 "--int8-activations", "--no-native-decode"):
+                 "--int8-activations", "--native-decode", "--no-native-decode"):
         assert flag in text
     for default in ("default 512", "default 4GiB", "default q4", "default 8192",
                     "default 0", "default: the model's K/V dtype"):
@@ -337,12 +337,14 @@ def test_kv_dtype_other_than_the_models_exits_2(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flags, int8", [([], False), (["--int8-activations"], True),
+@pytest.mark.parametrize("flags, int8", [([], None), (["--native-decode"], False),
+                                         (["--int8-activations"], True),
                                          (["--no-native-decode"], None)])
 def test_decode_flags_reach_the_engine(tmp_path, monkeypatch, flags, int8):
-    """A GGUF import is a graph the engine can decode itself: by default it
-    does, --int8-activations makes its step round activations to int8, and
-    --no-native-decode leaves decode steps to onnxruntime's graph."""
+    """A GGUF import is a graph the engine can decode itself: by default
+    onnxruntime's graph decodes its float32 activations, --native-decode makes
+    the engine's step do it, --int8-activations makes its step round
+    activations to int8, and --no-native-decode keeps the graph."""
     from test_gguf_import import write_gguf
 
     from pagedkv_np.onnxruntime.native import NativeDecode

@@ -335,7 +335,7 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         StepThreads(0)
 
 
-@pytest.mark.parametrize("env, want", [({}, "1000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
+@pytest.mark.parametrize("env, want", [({}, "30000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
                                        ({"OMP_WAIT_POLICY": "ACTIVE"}, None)])
 def test_openmp_spin_bound_is_set_before_the_kernels_unless_the_user_set_one(env, want):
     import subprocess

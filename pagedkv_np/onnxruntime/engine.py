@@ -122,9 +122,14 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         return None
     if why is not None:
         raise ConfigError(f"Invalid native_decode: {why}")
+    int8 = facts.int8_matmuls if int8 is None else int8
+    if wanted is None and not int8:
+        # float32 activations: onnxruntime's MatMulNBits beat the step's kernels
+        # (SmolLM2 Q4_1, 2 threads, quiet: 65.6 against 41.3 tok/s at batch 1,
+        # 85.8 against 72.3 at batch 4; scripts/bench_decode.py)
+        return None
     native = NativeDecode.from_source(source, proto, geometry_from_json(facts.geometry),
-                                      threads, with_head=facts.head_file is None,
-                                      int8=facts.int8_matmuls if int8 is None else int8)
+                                      threads, with_head=facts.head_file is None, int8=int8)
     native.warmup()
     return native
 
@@ -196,7 +201,9 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         (:mod:`pagedkv_np.onnxruntime.native`) instead of the graph: needs a
         graph built by :mod:`pagedkv_np.models.graph` (it carries its
         geometry) of the ``"gqa"`` family on the CPU provider. Default: where
-        it can.
+        it can and its products take int8 activations (see
+        ``int8_activations``); with float32 ones onnxruntime's products are
+        faster, so True is for comparing the two.
     int8_activations : bool, optional
         The engine's decode step, and an LM head the engine runs, multiply
         block weights by activations rounded to int8 per block (as llama.cpp
@@ -279,6 +286,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
             if native is not None:
                 native.share_embedding(head.weight)      # a tied head: one copy of its blocks
+                head.follow(native.threads_now)          # the step's thread count
         io = self.io
         limits = [n for n in (io.max_positions, max_positions) if n is not None]
         self.max_positions: int | None = min(limits) if limits else None

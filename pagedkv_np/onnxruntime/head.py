@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -58,16 +58,26 @@ class BlockHead:
         self.vocab_size = self.weight.out_features
         self.threads = threads
         self.int8 = int8
+        self._follow: Callable[[], int] | None = None
+
+    def follow(self, threads: Callable[[], int]) -> None:
+        """Run each call on ``threads()`` Numba threads instead of
+        :attr:`threads`: the engine passes its decode step's latest count
+        (:attr:`~pagedkv_np.onnxruntime.native.NativeDecode.last_threads`),
+        1 while the machine is busy, so that the head does not wait on a
+        thread that lost its core either."""
+        self._follow = threads
 
     @contextlib.contextmanager
     def _threads(self) -> Iterator[None]:
-        if self.threads is None:
+        count = self._follow() if self._follow is not None else self.threads
+        if count is None:
             yield
             return
         import numba
 
         before = numba.get_num_threads()
-        want = min(self.threads, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
+        want = min(count, int(numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
         numba.set_num_threads(want)
         try:
             yield

@@ -269,7 +269,7 @@ class NativeDecode:
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
         #: decode steps computed so far
         self.steps = 0
-        self._threads = 1
+        self._threads = self.step_threads.counts[0]
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
@@ -299,6 +299,11 @@ class NativeDecode:
             return False
         self.embed = weight
         return True
+
+    def threads_now(self) -> int:
+        """The Numba thread count of the latest step (:attr:`step_threads`'s
+        pick; before any step, the count it would try first)."""
+        return self._threads
 
     @property
     def out_features(self) -> int:

@@ -113,9 +113,15 @@ def _parser() -> argparse.ArgumentParser:
                    help="faster decode with activations rounded to int8 per block, as "
                         "llama.cpp does; not exact, deterministic (needs the engine's own "
                         "decode step; default: off)")
-    p.add_argument("--no-native-decode", action="store_true",
-                   help="decode through the onnxruntime graph, for comparison (default: the "
-                        "engine's own decode step where the graph allows it)")
+    step = p.add_mutually_exclusive_group()
+    step.add_argument("--native-decode", action="store_true",
+                      help="decode float32 activations through the engine's own kernels too, "
+                           "for comparison (default: its own decode step only with int8 "
+                           "activations; onnxruntime's products are faster with float32 "
+                           "ones)")
+    step.add_argument("--no-native-decode", action="store_true",
+                      help="decode through the onnxruntime graph, for comparison (default: "
+                           "the engine's own decode step where it runs int8 activations)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
@@ -323,7 +329,7 @@ def load_decoder(args: Any) -> Any:
         max_batch_size=args.max_batch_size,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=thread_budget_of(args), kv_dtype=args.kv_dtype,
-        native_decode=False if args.no_native_decode else None,
+        native_decode=True if args.native_decode else False if args.no_native_decode else None,
         int8_activations=args.int8_activations, **extra)
 
 
