@@ -25,9 +25,11 @@ This module imports neither onnxruntime nor Numba until a method needs it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import os
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -279,9 +281,10 @@ class StepThreads:
     step split over threads waits at each parallel region for a thread that
     lost its core (a scheduler slice, milliseconds, against regions of tens
     of microseconds), and one thread is faster. Neither is known ahead, and
-    the load changes: :meth:`pick` returns the count with the lower recent
-    time for steps of this size, and every ``probe_every`` steps the other
-    one, so that a change of load is seen. Kernels whose results do not
+    the load changes: :meth:`pick` keeps a count for steps of this size
+    until the other one's recent time is lower by :attr:`MARGIN`, and every
+    ``probe_every`` steps tries the other one, so that a change of load is
+    seen. Kernels whose results do not
     depend on the thread count (those of the engine's own decode step) give
     the same numbers either way.
 
@@ -295,40 +298,52 @@ class StepThreads:
         False: every step takes ``most`` threads (for measuring the choice).
     """
 
-    #: weight of the newest time in a count's running mean
-    SMOOTHING = 0.3
+    #: a count's recent time: the median of its last this many steps, so that
+    #: one slow step (a VM's hiccup of tens of milliseconds) changes nothing
+    WINDOW = 3
+    #: how much faster (a fraction) the other count's recent time must be
+    #: before the choice changes: a VM's step times wander by several percent
+    #: from step to step, and each change costs a probe's worth of slow steps
+    MARGIN = 0.1
 
-    def __init__(self, most: int, probe_every: int = 16, adaptive: bool = True) -> None:
+    def __init__(self, most: int, probe_every: int = 32, adaptive: bool = True) -> None:
         self.most = _count(most, "most", allow_none=False) or 1
         self.probe_every = _count(probe_every, "probe_every", allow_none=False) or 1
         self.counts = (self.most, 1) if self.most > 1 and adaptive else (self.most,)
-        self._mean: dict[tuple[int, int], float] = {}
+        self._times: dict[tuple[int, int], collections.deque] = {}
+        self._choice: dict[int, int] = {}
         self._steps = 0
-        self._last: tuple[int, int] | None = None
+
+    def _recent(self, size: int, n: int) -> float:
+        return statistics.median(self._times[(size, n)])
 
     def pick(self, size: int) -> int:
         """The thread count for the next step of ``size`` (e.g. its batch)."""
         self._steps += 1
-        for n in self.counts:
-            if (size, n) not in self._mean:
-                return n
-        best = min(self.counts, key=lambda n: self._mean[(size, n)])
-        if len(self.counts) > 1 and self._steps % self.probe_every == 0:
-            return next(n for n in self.counts if n != best)
+        if len(self.counts) == 1:
+            return self.counts[0]
+        # first each count in turn until both have a full window
+        tried = [len(self._times.get((size, n), ())) for n in self.counts]
+        if min(tried) < self.WINDOW:
+            return self.counts[tried.index(min(tried))]
+        best = self._choice.get(size, self.counts[0])
+        other = next(n for n in self.counts if n != best)
+        if self._recent(size, other) < (1 - self.MARGIN) * self._recent(size, best):
+            best = self._choice[size] = other
+            other = next(n for n in self.counts if n != best)
+        if self._steps % self.probe_every == 0:
+            return other
         return best
 
     def forget(self) -> None:
         """Drop the times recorded so far (after a warm-up that compiled)."""
-        self._mean.clear()
-        self._last = None
+        self._times.clear()
+        self._choice.clear()
 
     def record(self, size: int, threads: int, seconds: float) -> None:
-        """How long a step of ``size`` took with ``threads``: a running mean
-        while the count keeps being chosen; a probe's time replaces what the
-        count had (the load it was measured under may have passed)."""
+        """How long a step of ``size`` took with ``threads`` (the last
+        :attr:`WINDOW` count; a probe's time joins the other count's)."""
         key = (size, threads)
-        old = self._mean.get(key)
-        probe = self._last != key
-        self._last = key
-        self._mean[key] = seconds if old is None or probe else \
-            old + self.SMOOTHING * (seconds - old)
+        if key not in self._times:
+            self._times[key] = collections.deque(maxlen=self.WINDOW)
+        self._times[key].append(seconds)

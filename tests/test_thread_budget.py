@@ -311,22 +311,33 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
     assert st.counts == (2, 1)
     times = {2: 0.010, 1: 0.030}              # a quiet machine: 2 threads faster
     picks = []
-    for _ in range(24):
+    for _ in range(30):
         n = st.pick(1)
         picks.append(n)
         st.record(1, n, times[n])
-    assert picks[:2] == [2, 1]                # each count tried once
-    assert picks[2:].count(1) == 6            # then the other on every 4th step only
+    assert picks[:6] == [2, 1] * 3            # each count tried WINDOW times in turn
+    assert picks[6:].count(1) == 6            # then the other on every 4th step only
+    slow = picks.copy()
+    st.record(1, 2, 0.5)                      # one hiccup of the chosen count: no change
+    assert [st.pick(1) for _ in range(3)].count(2) >= 2
     times = {2: 0.200, 1: 0.030}              # the load changes: 1 thread now faster
     for _ in range(24):
         n = st.pick(1)
         picks.append(n)
         st.record(1, n, times[n])
     assert picks[-8:].count(1) >= 6
+    assert slow == picks[:30]
     assert st.pick(8) == 2                    # another size is timed on its own
     st.forget()
     assert st.pick(1) == 2
     assert StepThreads(1).counts == (1,)
+    close = StepThreads(2, probe_every=4)     # within the margin: no flapping
+    seen = []
+    for i in range(46):
+        n = close.pick(1)
+        seen.append(n)
+        close.record(1, n, {2: 0.0100, 1: 0.0095 + 0.0003 * (i % 3)}[n])
+    assert seen[6:].count(1) == 10            # probes only (every 4th of steps 7..46)
     fixed = StepThreads(2, probe_every=1, adaptive=False)
     for _ in range(6):                        # never probes 1, however slow 2 is
         assert fixed.pick(1) == 2
