@@ -13,6 +13,11 @@ by the kernel, page aligned (so on a cache line), committed 4 KiB at a time,
 and marked ``MADV_NOHUGEPAGE`` where the platform has it. The mapping is
 released when the array (and every view of it) is gone. Small buffers,
 where a huge page cannot be wasted, come from NumPy as before.
+
+:func:`release` hands such a buffer's memory back before then: once its
+contents have been copied elsewhere (a prompt's K/V into the page pool,
+layer after layer), it stops counting against the process while views of
+it still exist, and reads zero from then on.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["LAZY_MIN_BYTES", "lazy_zeros"]
+__all__ = ["LAZY_MIN_BYTES", "lazy_zeros", "release"]
 
 #: Buffers at least this large come from :func:`lazy_zeros`' mapping
 #: (NumPy's own huge-page threshold is 4 MiB).
@@ -53,3 +58,30 @@ def lazy_zeros(shape: Any, dtype: Any) -> np.ndarray:
     if advice is not None:
         region.madvise(advice)
     return np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
+
+
+def _mapping(arr: np.ndarray) -> mmap.mmap | None:
+    """The mapping :func:`lazy_zeros` made ``arr`` (or the array it views) from."""
+    base: Any = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):
+        base = base.obj
+    return base if isinstance(base, mmap.mmap) else None
+
+
+def release(arr: np.ndarray) -> bool:
+    """Give back the memory of a :func:`lazy_zeros` buffer (``arr`` or any
+    view of it: the whole mapping goes); it then reads zero, and memory is
+    committed again where it is written.
+
+    Returns whether memory was handed back: False for a buffer that NumPy
+    allocated (a small one), which is freed with its last reference, or
+    where the platform cannot (no ``MADV_REMOVE``).
+    """
+    region = _mapping(arr)
+    advice = getattr(mmap, "MADV_REMOVE", None)
+    if region is None or advice is None or region.closed:
+        return False
+    region.madvise(advice)      # a shared mapping: its pages leave the shmem object too
+    return True

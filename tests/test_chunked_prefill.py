@@ -147,7 +147,8 @@ def test_a_prompt_longer_than_a_solo_chunk_is_fed_in_solo_chunks(family):
 
 def _second_chunk_of_long(tokens, num_past, past=None, capacity=None):
     """A prefill call that feeds LONG's second chunk (or a later one)."""
-    return capacity == len(LONG) and num_past > len(SYSTEM)
+    n = len(tokens)
+    return num_past > len(SYSTEM) and list(tokens) == LONG[num_past:num_past + n]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

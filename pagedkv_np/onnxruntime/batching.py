@@ -15,6 +15,18 @@ The runner keeps the decode batch's past K/V between steps; the new tokens'
 K/V reaches the pages every ``write_interval`` steps and before anything
 reads or releases those pages (see :mod:`pagedkv_np.onnxruntime.engine`).
 
+A prompt's K/V stays in the runner's prompt buffers while it is fed and
+reaches the pages after its last chunk, layer by layer, each layer's buffer
+handed back once written, so that the two copies never coexist in full.
+When nothing else runs (and the pages hold K/V in the model's own dtype),
+the prompt's buffers become its decode buffers instead; its K/V reaches the
+pages when that batch ends or changes, a waiting request is admitted, or the
+request is preempted or aborted. So a long prompt fed and decoded alone
+holds its K/V once (SmolLM2-135M, a 4,564-token prompt and 16 tokens after
+it: peak resident 714 MiB against 910 with every chunk written at once). A
+prompt given up midway (preempted, failed, interrupted) writes the chunks it
+fed first, which stay cached.
+
 When a step fails, only the requests it concerns end:
 
 - A failure that belongs to one request (its prefill: model call, prefix
@@ -89,6 +101,10 @@ class Batcher:
         self._batch_rids: tuple[int, ...] | None = None
         self._batch: list[Request] = []   # the requests in the runner's buffers
         self._pending = 0                 # their decode steps not yet in the pages
+        self._adopted = False             # the batch is a prompt whose K/V is not in the pages
+        # pages give back the model's own K/V bits (no int8 or float16 rounding): only
+        # then may a prompt decode in its own buffers instead of what the pages return
+        self._exact_pages = np.dtype(cache.dtype) == np.dtype(runner.io.dtype)
 
     def step(self) -> StepEvents:
         """One decode step of the running requests, then admissions."""
@@ -119,7 +135,7 @@ class Batcher:
             self.finish(req, "abort")
             return
         if req.seq is not None and req in self._batch:
-            self.flush()       # its decoded K/V stays cached
+            self.flush(ending=True)       # its decoded K/V stays cached
         if req in self.waiting:          # also where a failed flush puts it
             self.waiting.remove(req)
         if req.finished:       # a failed flush ended it
@@ -147,7 +163,7 @@ class Batcher:
     def _retire_finished(self) -> None:
         if any(r.finished for r in self.running):
             if self._batch and any(r.finished for r in self._batch):
-                self.flush()
+                self.flush(ending=True)
             for req in self.running:
                 if req.finished and req.seq is not None:
                     self.cache.release(req.seq)
@@ -156,7 +172,7 @@ class Batcher:
 
     def _preempt(self, req: Request) -> None:
         if req in self._batch:
-            self.flush()
+            self.flush(ending=True)
         if req.seq is None:      # a failed flush took it out already
             return
         self.running.remove(req)
@@ -170,6 +186,7 @@ class Batcher:
         self._batch_rids = None
         self._batch = []
         self._pending = 0
+        self._adopted = False
 
     def requeue_running(self) -> None:
         """After an interrupt: every running request that is not finished goes
@@ -208,19 +225,30 @@ class Batcher:
                 requeue.append(req)
         self.waiting.extendleft(reversed(requeue))
 
-    def flush(self) -> bool:
-        """Write the K/V of the batch's pending decode steps into the pages.
+    def flush(self, ending: bool = False) -> bool:
+        """Write the K/V of the batch's pending decode steps (and of an adopted
+        prompt) into the pages; ``ending``: the batch is not decoded again,
+        so each layer's buffers are handed back once written and the batch
+        is forgotten.
 
         Returns False when that failed and the batch was dropped.
         """
         n = self._pending
-        if not n:
+        if not n and not self._adopted:
+            if ending:
+                self.forget_batch()
             return True
-        cache, plan = self.cache, None
+        cache, runner, plan = self.cache, self.runner, None
         try:
             plan = cache.plan([r.seq for r in self._batch])   # n new tokens per sequence
-            for layer, (k, v) in enumerate(self.runner.recent_kv(n)):
+            recent = None if self._adopted else runner.recent_kv(n)
+            start, end = int(plan.context_lens[0]), int(plan.seq_lens[0])
+            for layer in range(cache.num_layers):
+                # an adopted prompt: one sequence, all of it past its cached prefix
+                k, v = runner.solo_kv(layer, start, end) if recent is None else recent[layer]
                 cache.write(layer, plan, k, v)
+                if ending:
+                    runner.drop_batch_layer(layer)
         except BaseException as exc:
             if plan is not None and not cache.is_written(plan):
                 cache.discard(plan)
@@ -229,6 +257,9 @@ class Batcher:
             self._drop_batch(exc)
             return False
         self._pending = 0
+        self._adopted = False
+        if ending:
+            self.forget_batch()
         return True
 
     def decode(self, events: StepEvents) -> bool:
@@ -270,19 +301,14 @@ class Batcher:
         len_list = [s.num_tokens for s in seqs]
         rids = tuple(r.rid for r in reqs)
         if rids != self._batch_rids or self.runner.needs_gather(max(len_list)):
-            if not self.flush():
+            if not self.flush(ending=True):
                 return []    # the old batch was dropped; the rest decode next step
-            self.forget_batch()
             try:
                 gather_plan = cache.plan(seqs)   # no new tokens: exactly the cached past
-                remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
-                capacity = max(len_list) + 1 + min(remaining, _MAX_HEADROOM)
-                if self.max_positions is not None:
-                    capacity = min(capacity, self.max_positions)
                 self.runner.start_batch(
                     lambda layer, out: cache.gather(layer, gather_plan, "BHTD", out=out,
                                                     host=True),
-                    np.array(len_list, dtype=np.int64), capacity)
+                    np.array(len_list, dtype=np.int64), self._capacity(reqs, max(len_list)))
             except Exception as exc:
                 self.forget_batch()
                 return self._group_failed(reqs, exc)
@@ -313,9 +339,17 @@ class Batcher:
                 self.finish(r, "error", exc)   # released with the finished ones
                 continue
             self._accept(r, token, events)
-        if self._pending >= self.write_interval:
-            self.flush()
+        if self._pending >= self.write_interval and not self._adopted:
+            self.flush()     # an adopted prompt waits: written now, it would be held twice
         return []
+
+    def _capacity(self, reqs: list[Request], longest: int) -> int:
+        """Positions of decode buffers for ``reqs`` after ``longest`` cached tokens."""
+        remaining = max(r.max_new_tokens - len(r.generated) for r in reqs)
+        capacity = longest + 1 + min(remaining, _MAX_HEADROOM)
+        if self.max_positions is not None:
+            capacity = max(min(capacity, self.max_positions), longest)
+        return capacity
 
     def _group_failed(self, reqs: list[Request], cause: Exception) -> list[list[Request]]:
         """A decode step of ``reqs`` failed before anything of it reached the
@@ -350,6 +384,10 @@ class Batcher:
         none, no room in the batch or too few pages for its prompt."""
         if not self.waiting or len(self.running) + self.waiting[0].width > self.max_batch_size:
             return False
+        if self._adopted:
+            # the prompt's pages first, as for any prompt fed before: the
+            # new request may share them
+            self.flush(ending=True)
         cache, req = self.cache, self.waiting[0]
         seq = None
         try:
@@ -386,7 +424,9 @@ class Batcher:
         cache, req, seq = self.cache, fill.req, fill.seq
         start = fill.num_done
         chunk = fill.tokens[start:start + n]
-        plan = None
+        last = start + n == fill.num_tokens
+        # alone and not forked, the prompt's buffers become its decode buffers
+        adopt = last and self._exact_pages and not self.running and not req.forks
         try:
             if not cache.can_extend(seq, n):
                 self._close_prefill(requeue=True)
@@ -396,29 +436,31 @@ class Batcher:
                 gather_plan = cache.plan([seq])
                 past = lambda layer, out: cache.gather(  # noqa: E731
                     layer, gather_plan, "BHTD", out=out, host=True)
-            logits, kv = self.runner.prefill(chunk, start, past, fill.num_tokens)
-            cache.extend(seq, chunk)
-            plan = cache.plan([seq])
-            for layer, (k, v) in enumerate(kv):
-                cache.write(layer, plan, k, v)
-            last = start + n == fill.num_tokens
+            logits, _ = self.runner.prefill(chunk, start, past,
+                                            self._capacity([req], fill.num_tokens))
+            cache.extend(seq, chunk)          # reserved; written after the last chunk
+            fill.num_done += n
+            if last and not adopt:
+                self._write_prompt(fill)
             token = req.choose(logits) if last else None
+            if adopt:
+                self.forget_batch()           # nothing runs: nothing of it is pending
+                self.runner.adopt_prompt()
         except BaseException as exc:
-            if plan is not None and not cache.is_written(plan):
-                cache.discard(plan)       # nothing of this chunk gets indexed
             if not isinstance(exc, Exception):
                 self._close_prefill(requeue=True)
                 raise                     # an interrupt: it stays first in the queue
             self._close_prefill(requeue=False)
             self.finish(req, "error", exc)
             return True
-        fill.num_done += n
         self.counters["num_prefill_chunks"] += 1
         if token is None:
             return True
         self.prefilling = None
         req.seq = seq
         self.running.append(req)
+        if adopt:
+            self._batch_rids, self._batch, self._adopted = (req.rid,), [req], True
         self.counters["num_prefills"] += 1
         self._accept(req, token, events)
         for fork, token, failure in req.start_forks(lambda: cache.fork(seq), logits, events):
@@ -430,18 +472,48 @@ class Batcher:
         self._retire_finished()
         return True
 
+    def _write_prompt(self, fill: Prefill) -> None:
+        """Write the K/V of the chunks fed so far from the runner's prompt
+        buffers into the pages, handing each layer's buffers back once
+        written; the runner forgets the prompt either way. Nothing is
+        written when the runner no longer holds those chunks (a failed
+        first chunk, or a failed write before)."""
+        start, end = fill.num_written, fill.num_done
+        cache, runner, plan = self.cache, self.runner, None
+        try:
+            if start < end <= runner.prompt_positions:
+                plan = cache.plan([fill.seq])   # the chunks' tokens, reserved as they were fed
+                for layer in range(cache.num_layers):
+                    k, v = runner.prompt_kv(layer, start, end)
+                    cache.write(layer, plan, k, v)
+                    runner.drop_prompt_layer(layer)
+                fill.num_written = end
+        except BaseException:
+            if plan is not None and not cache.is_written(plan):
+                cache.discard(plan)           # nothing of it gets indexed
+            raise
+        finally:
+            runner.forget_prompt()            # its written layers read zero now
+
     def _close_prefill(self, requeue: bool) -> None:
-        """Give up the open prompt: its pages go back (the chunks written so
-        far stay cached) and, with ``requeue``, it waits first in the queue,
-        to be prefilled again from what the cache still holds."""
+        """Give up the open prompt: the chunks fed so far are written and
+        stay cached, its pages go back and, with ``requeue``, it waits first
+        in the queue, to be prefilled again from what the cache still holds."""
         fill = self.prefilling
         if fill is None:
             return
         self.prefilling = None
-        self.runner.forget_prompt()
-        if not fill.seq.is_released:
-            self.cache.release(fill.seq)
-        if requeue:
-            self.waiting.appendleft(fill.req)
-            self.counters["num_preemptions"] += 1
+        try:
+            if not fill.seq.is_released:
+                try:
+                    self._write_prompt(fill)
+                except Exception:     # noqa: S110 - those chunks are computed again instead
+                    pass
+        finally:
+            self.runner.forget_prompt()
+            if not fill.seq.is_released:
+                self.cache.release(fill.seq)
+            if requeue:
+                self.waiting.appendleft(fill.req)
+                self.counters["num_preemptions"] += 1
 

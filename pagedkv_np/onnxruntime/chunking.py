@@ -84,13 +84,15 @@ class ChunkBudget:
 class Prefill:
     """A request whose prompt is being fed, chunk by chunk: ``seq`` holds its
     first ``num_done`` tokens (``num_cached`` of them from the prefix
-    cache); the runner holds the K/V to continue from."""
+    cache); the runner holds the K/V to continue from, and that of the
+    chunks fed since ``num_written`` (the pages get it when the prompt ends
+    or is given up)."""
 
-    __slots__ = ("req", "seq", "tokens", "num_cached", "num_done")
+    __slots__ = ("req", "seq", "tokens", "num_cached", "num_done", "num_written")
 
     def __init__(self, req: Request, seq: Any, tokens: np.ndarray, num_cached: int) -> None:
         self.req, self.seq, self.tokens = req, seq, tokens
-        self.num_cached = self.num_done = num_cached
+        self.num_cached = self.num_done = self.num_written = num_cached
 
     @property
     def num_tokens(self) -> int:

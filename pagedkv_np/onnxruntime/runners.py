@@ -8,6 +8,13 @@ through IOBinding). It knows nothing of pages: the engine hands it a
 ``gather`` callback when the batch changes, and takes the K/V of the
 latest decode steps (:meth:`Runner.recent_kv`) to write into the cache.
 
+A prompt's K/V stays with the runner until the engine takes it
+(:meth:`Runner.prompt_kv`), layer by layer, handing each layer's memory
+back once it is in the pages (:meth:`Runner.drop_prompt_layer`); or the
+prompt's buffers become a batch of one's decode buffers
+(:meth:`Runner.adopt_prompt`), so that a long prompt's K/V is never held
+twice while it is fed and decoded alone.
+
 See :mod:`pagedkv_np.onnxruntime.model_io` for the two families.
 """
 
@@ -20,7 +27,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..errors import ConfigError
-from ..memory import lazy_zeros
+from ..memory import lazy_zeros, release
 from .model_io import ModelIO
 
 __all__ = ["Runner", "OptimumRunner", "GqaRunner", "make_runner", "Gather", "Head", "Step",
@@ -64,6 +71,7 @@ class Runner:
         self._last_logits = None if self._keep_name is None else np.ones(1, np.int64)
         self._prompt: Any = None          # what a prompt's next chunk continues from
         self._prompt_positions = 0
+        self._prompt_capacity = 0
 
     def _logits(self, rows: np.ndarray) -> np.ndarray:
         """Logits [n, vocab] of the output's rows [n, width]: the rows
@@ -88,11 +96,13 @@ class Runner:
             is 0, or to continue the prompt of the previous call, whose K/V
             the runner kept because that call's ``capacity`` went further.
         capacity : int, optional
-            Positions the prompt reaches with the chunks still to come
-            (default ``num_past + n``: this is its last chunk). Until then
-            the runner keeps the prompt's K/V for the next call (a
+            Positions the prompt may reach with the chunks still to come
+            and the decode steps after it (default ``num_past + n``); a
             GroupQueryAttention model fills one buffer of this size in
-            place, chunk after chunk).
+            place, chunk after chunk. The runner keeps the prompt's K/V
+            (for the next chunk, :meth:`prompt_kv` and :meth:`adopt_prompt`)
+            until :meth:`forget_prompt`, :meth:`adopt_prompt` or the next
+            prompt; a failed continuation keeps what the earlier calls left.
 
         Returns
         -------
@@ -105,20 +115,27 @@ class Runner:
         ------
         ConfigError
             ``past`` is None with ``num_past > 0`` and the runner holds no
-            prompt of ``num_past`` positions to continue.
+            prompt of ``num_past`` positions to continue, or the tokens go
+            past the capacity of the prompt it holds.
         """
         n = tokens.shape[0]
         total = num_past + n
         capacity = total if capacity is None else max(int(capacity), total)
         kept, positions = self._prompt, self._prompt_positions
-        if past is None and num_past and positions != num_past:
+        continues = past is None and num_past > 0
+        if continues and positions != num_past:
             raise ConfigError(f"Invalid prefill: no prompt of {num_past} positions to "
                               f"continue (the runner holds {positions})")
-        self.forget_prompt()
+        if continues and total > self._prompt_capacity:
+            raise ConfigError(f"Invalid prefill: {n} tokens after {num_past} go past the "
+                              f"{self._prompt_capacity} positions of the prompt's buffers")
+        if not continues:
+            self.forget_prompt()      # before the new buffers: never two prompts at once
         logits, kv, state = self._run_prompt(tokens, num_past, past, capacity,
-                                             kept if past is None and num_past else None)
-        if capacity > total:
-            self._prompt, self._prompt_positions = state, total
+                                             kept if continues else None)
+        self._prompt, self._prompt_positions = state, total
+        if not continues:
+            self._prompt_capacity = capacity
         return logits, kv
 
     def _run_prompt(self, tokens: np.ndarray, num_past: int, past: Gather | None,
@@ -127,10 +144,87 @@ class Runner:
         is the state of the previous call to continue, else None."""
         raise NotImplementedError
 
+    @property
+    def prompt_positions(self) -> int:
+        """Positions of the kept prompt (0: none is kept)."""
+        return self._prompt_positions if self._prompt is not None else 0
+
     def forget_prompt(self) -> None:
         """Drop the K/V kept for a prompt's next chunk."""
         self._prompt = None
         self._prompt_positions = 0
+        self._prompt_capacity = 0
+
+    def _prompt_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kept prompt's K/V arrays of ``layer``, [1, H, T, D]."""
+        raise NotImplementedError
+
+    def prompt_kv(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """The kept prompt's K/V of ``layer`` at positions ``[start, end)``.
+
+        Returns
+        -------
+        k, v : ndarray, shape [end - start, num_kv_heads, head_dim] (views)
+
+        Raises
+        ------
+        ConfigError
+            No prompt is kept, or the range is not within its positions.
+        """
+        if self._prompt is None or not 0 <= start <= end <= self._prompt_positions:
+            raise ConfigError(f"Invalid prompt_kv: positions [{start}, {end}) of a kept "
+                              f"prompt of {self._prompt_positions}")
+        k, v = self._prompt_layer(layer)
+        return k[0, :, start:end].transpose(1, 0, 2), v[0, :, start:end].transpose(1, 0, 2)
+
+    def drop_prompt_layer(self, layer: int) -> None:
+        """Hand back the memory of the kept prompt's ``layer`` (its K/V is in
+        the pages): the prompt reads zero there, so forget it before the next
+        prefill."""
+
+    def adopt_prompt(self) -> None:
+        """Make the kept prompt the decode batch: one sequence of the
+        prompt's positions, in the prompt's own buffers (no gather); the
+        prompt is forgotten.
+
+        Raises
+        ------
+        ConfigError
+            No prompt is kept.
+        """
+        if self._prompt is None:
+            raise ConfigError("Invalid adopt_prompt: the runner keeps no prompt")
+        self.reset()
+        self._adopt(self._prompt, self._prompt_positions, self._prompt_capacity)
+        self._prompt = None      # the batch holds the buffers now
+        self.forget_prompt()
+
+    def _adopt(self, state: Any, positions: int, capacity: int) -> None:
+        raise NotImplementedError
+
+    def _batch_layer(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The decode batch's K/V arrays of ``layer``, [B, H, T, D]."""
+        raise NotImplementedError
+
+    def solo_kv(self, layer: int, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """K/V of ``layer`` at positions ``[start, end)`` of a decode batch of
+        one sequence (such as an adopted prompt), shape
+        [end - start, num_kv_heads, head_dim] (views).
+
+        Raises
+        ------
+        ConfigError
+            The batch is not one sequence, or the range is outside its buffers.
+        """
+        k, v = self._batch_layer(layer)
+        if k.shape[0] != 1 or not 0 <= start <= end <= k.shape[2]:
+            raise ConfigError(f"Invalid solo_kv: positions [{start}, {end}) of a batch of "
+                              f"{k.shape[0]} over {k.shape[2]} positions")
+        return k[0, :, start:end].transpose(1, 0, 2), v[0, :, start:end].transpose(1, 0, 2)
+
+    def drop_batch_layer(self, layer: int) -> None:
+        """Hand back the memory of the decode batch's ``layer`` (its K/V is in
+        the pages): reset the batch before the next decode step."""
 
     def _prompt_feeds(self, tokens: np.ndarray, num_past: int) -> dict[str, np.ndarray]:
         io, n = self.io, tokens.shape[0]
@@ -210,8 +304,26 @@ class OptimumRunner(Runner):
         self.reset()
 
     def reset(self) -> None:
-        self._past: list[tuple[np.ndarray, np.ndarray]] = []
+        self._past: list[Any] = []
         self._mask: np.ndarray | None = None
+
+    def _prompt_layer(self, layer):
+        return self._prompt[layer]
+
+    def drop_prompt_layer(self, layer: int) -> None:
+        if self._prompt is not None:
+            self._prompt[layer] = None    # freed with the caller's last view
+
+    def _adopt(self, state, positions, capacity):
+        self._past = list(state)
+        self._mask = np.ones((1, positions), dtype=self.io.attention_mask_dtype)
+
+    def _batch_layer(self, layer):
+        return self._past[layer]
+
+    def drop_batch_layer(self, layer: int) -> None:
+        if self._past:
+            self._past[layer] = None
 
     def _run_prompt(self, tokens, num_past, past, capacity, kept):
         io = self.io
@@ -227,7 +339,7 @@ class OptimumRunner(Runner):
             feeds[io.past_values[layer]] = v
         outs = self.session.run(self._outputs, feeds)
         n = io.num_layers
-        present = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]
+        present = [(outs[1 + i], outs[1 + n + i]) for i in range(n)]   # [1, H, T, D]
         kv = [(k[0, :, num_past:].transpose(1, 0, 2), v[0, :, num_past:].transpose(1, 0, 2))
               for k, v in present]
         return self._logits(outs[0][0, -1:])[0], kv, present
@@ -292,6 +404,27 @@ class GqaRunner(Runner):
     def needs_gather(self, longest: int) -> bool:
         return longest + 1 > self.capacity
 
+    def _prompt_layer(self, layer):
+        return self._prompt[0][layer]
+
+    def drop_prompt_layer(self, layer: int) -> None:
+        if self._prompt is not None:
+            for arr in self._prompt[0][layer]:
+                release(arr)
+
+    def _batch_layer(self, layer):
+        return self._bufs[layer]
+
+    def drop_batch_layer(self, layer: int) -> None:
+        if self._bufs:
+            for arr in self._bufs[layer]:
+                release(arr)
+
+    def _adopt(self, state, positions, capacity):
+        bufs = state[0]
+        self._bind_batch(bufs, 1)
+        self.capacity = int(bufs[0][0].shape[2])
+
     def _run_prompt(self, tokens, num_past, past, capacity, kept):
         io, n = self.io, tokens.shape[0]
         if kept is not None:
@@ -329,6 +462,17 @@ class GqaRunner(Runner):
         io, b = self.io, lens.shape[0]
         capacity = max(int(capacity), int(lens.max()) + 1)
         shape = (b, io.num_kv_heads, capacity, io.head_dim)
+        bufs = []
+        for layer in range(io.num_layers):
+            k, v = lazy_zeros(shape, io.dtype), lazy_zeros(shape, io.dtype)
+            gather(layer, (k, v))   # zero past each length: the op reads only seqlens_k
+            bufs.append((k, v))
+        self._bind_batch(bufs, b)
+        self.capacity = capacity
+
+    def _bind_batch(self, bufs: list[tuple[np.ndarray, np.ndarray]], b: int) -> None:
+        """Bind ``bufs`` (per layer, [b, H, T, D]) as a decode batch's past and present."""
+        io = self.io
         binding = self.session.io_binding()
         # logits first: with an unknown vocabulary it is get_outputs()[0]
         if io.vocab_size is not None and self.head is None:
@@ -338,21 +482,17 @@ class GqaRunner(Runner):
         else:
             self._out = None
             binding.bind_output(io.logits, "cpu")
-        bufs = []
-        for layer in range(io.num_layers):
-            k, v = lazy_zeros(shape, io.dtype), lazy_zeros(shape, io.dtype)
-            gather(layer, (k, v))   # zero past each length: the op reads only seqlens_k
+        for layer, (k, v) in enumerate(bufs):
             for arr, src, dst in ((k, io.past_keys[layer], io.present_keys[layer]),
                                   (v, io.past_values[layer], io.present_values[layer])):
                 value = ort.OrtValue.ortvalue_from_numpy(arr)
                 binding.bind_ortvalue_input(src, value)
                 binding.bind_ortvalue_output(dst, value)
-            bufs.append((k, v))
         if self._keep_name is not None and self._last_logits is not None:
             # an OrtValue: bind_cpu_input refuses an old graph's input with a default
             self._keep = ort.OrtValue.ortvalue_from_numpy(self._last_logits)
             binding.bind_ortvalue_input(self._keep_name, self._keep)
-        self._bufs, self._binding, self.capacity = bufs, binding, capacity
+        self._bufs, self._binding = bufs, binding
 
     def decode(self, tokens: np.ndarray, lens: np.ndarray):
         takes = getattr(self.step, "takes", None)    # a step may leave some batches to the graph
