@@ -16,7 +16,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pagedkv_np"
 # Over ~450 lines on purpose: Numba's disk cache keys compiled code by its own
 # source file, so the kernels' helpers cannot move out (their docstrings say so).
 LONG_ON_PURPOSE = {"backends/_numba_kernels.py", "backends/_numba_quant.py",
-                   "backends/block_q8.py"}     # each says why in its docstring
+                   "backends/block_q8.py", "onnxruntime/batching.py",
+                   "onnxruntime/runners.py"}     # each says why in its docstring
 MAX_LINES = 470
 
 

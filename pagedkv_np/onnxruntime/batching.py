@@ -42,6 +42,12 @@ When a step fails, only the requests it concerns end:
 - An interrupt (``KeyboardInterrupt``, ``SystemExit``) propagates after
   every running request went back to the queue, to be recomputed; K/V not
   yet written is never indexed.
+
+Longer than this package's modules usually are, on purpose: admission,
+prefill, decode, preemption, the prompt writes and every failure path are
+transitions of one state (the running batch, the prompt being fed, what is
+written), which this module keeps in one place so that each path can be
+read beside the others.
 """
 
 from __future__ import annotations

@@ -16,6 +16,12 @@ prompt's buffers become a batch of one's decode buffers
 twice while it is fed and decoded alone.
 
 See :mod:`pagedkv_np.onnxruntime.model_io` for the two families.
+
+Longer than this package's modules usually are, on purpose: both families'
+runners go through one life cycle of the prompt and decode buffers (kept
+across chunks, adopted as decode buffers, written and released layer by
+layer) that the base class defines and the batcher drives; the two
+subclasses are its two halves.
 """
 
 from __future__ import annotations
