@@ -300,3 +300,41 @@ def test_a_failed_write_of_a_prompt_decoded_alone_keeps_its_tokens(family, exc):
     assert dec.pop_output(rid) == ref(family).tokens(LONG[:100], 4)
     assert _hits(dec, LONG[:100] + [1]) == 0         # half written: nothing is served
     assert_idle(dec)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("how", ["fails", "aborted"])
+def test_an_interrupt_in_the_write_of_a_prompt_given_up_still_ends_it(family, how):
+    """A prompt that fails (or is aborted) midway writes the chunks it fed;
+    an interrupt in that write propagates, and the request still ends (it
+    was once lost: neither finished nor waiting)."""
+    dec = decoder(family, prefill_chunk=64)
+    other = dec.add_request(LONG[:40], max_new_tokens=50)     # decoding: prompts go in chunks
+    while not dec.get_output(other):
+        dec.step()
+    rid = dec.add_request(LONG, max_new_tokens=2)
+    dec.step()                                  # its first chunk is fed
+    real_prefill, real_write = dec._batcher.runner.prefill, dec.cache.write
+
+    def prefill(*args, **kwargs):               # the next chunk fails
+        raise RuntimeError("injected")
+
+    def write(*args, **kwargs):                 # and so does the write of the fed chunk
+        raise KeyboardInterrupt
+
+    if how == "fails":
+        dec._batcher.runner.prefill = prefill   # type: ignore[method-assign]
+    dec.cache.write = write                     # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        if how == "fails":
+            dec.step()
+        else:
+            dec.abort(rid)
+    dec._batcher.runner.prefill, dec.cache.write = real_prefill, real_write
+    assert dec.is_finished(rid)
+    assert dec.status(rid).finish_reason == ("error" if how == "fails" else "abort")
+    dec.pop_output(rid)
+    while dec.has_unfinished_requests():
+        dec.step()
+    dec.pop_output(other)
+    assert_idle(dec)

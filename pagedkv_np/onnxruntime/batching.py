@@ -137,8 +137,10 @@ class Batcher:
     def abort(self, req: Request) -> None:
         """End ``req`` now (it is not finished); its pages go back to the pool."""
         if self.prefilling is not None and self.prefilling.req is req:
-            self._close_prefill(requeue=False)
-            self.finish(req, "abort")
+            try:                          # an interrupt in its write still ends it
+                self._close_prefill(requeue=False)
+            finally:
+                self.finish(req, "abort")
             return
         if req.seq is not None and req in self._batch:
             self.flush(ending=True)       # its decoded K/V stays cached
@@ -456,8 +458,10 @@ class Batcher:
             if not isinstance(exc, Exception):
                 self._close_prefill(requeue=True)
                 raise                     # an interrupt: it stays first in the queue
-            self._close_prefill(requeue=False)
-            self.finish(req, "error", exc)
+            try:                          # an interrupt in its write still ends it
+                self._close_prefill(requeue=False)
+            finally:
+                self.finish(req, "error", exc)
             return True
         self.counters["num_prefill_chunks"] += 1
         if token is None:
