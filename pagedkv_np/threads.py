@@ -309,6 +309,9 @@ class StepThreads:
     def __init__(self, most: int, probe_every: int = 32, adaptive: bool = True) -> None:
         self.most = _count(most, "most", allow_none=False) or 1
         self.probe_every = _count(probe_every, "probe_every", allow_none=False) or 1
+        if not isinstance(adaptive, bool):
+            raise DTypeError(f"Invalid adaptive: expected True or False, got "
+                             f"{type(adaptive).__name__}")
         self.counts = (self.most, 1) if self.most > 1 and adaptive else (self.most,)
         self._times: dict[tuple[int, int], collections.deque] = {}
         self._choice: dict[int, int] = {}

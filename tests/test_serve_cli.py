@@ -121,6 +121,7 @@ class TestEngineLimits:
     (["--weights", "q2"], "--weights"),
     (["--int8-activations", "--no-native-decode"],
      "--int8-activations needs the engine's own decode step: drop --no-native-decode"),
+    (["--native-decode", "--no-native-decode"], "not allowed with argument --native-decode"),
 ])
 def test_bad_options_exit_2_before_loading(args, says):
     """The model does not exist: only the option can be reported."""

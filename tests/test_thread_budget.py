@@ -344,6 +344,8 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         fixed.record(1, 2, 1.0)
     with pytest.raises(ConfigError):
         StepThreads(0)
+    with pytest.raises(DTypeError):
+        StepThreads(2, adaptive="no")
 
 
 @pytest.mark.parametrize("env, want", [({}, "30000"), ({"GOMP_SPINCOUNT": "7"}, "7"),

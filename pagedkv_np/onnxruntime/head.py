@@ -63,7 +63,7 @@ class BlockHead:
     def follow(self, threads: Callable[[], int]) -> None:
         """Run each call on ``threads()`` Numba threads instead of
         :attr:`threads`: the engine passes its decode step's latest count
-        (:attr:`~pagedkv_np.onnxruntime.native.NativeDecode.last_threads`),
+        (:meth:`~pagedkv_np.onnxruntime.native.NativeDecode.threads_now`),
         1 while the machine is busy, so that the head does not wait on a
         thread that lost its core either."""
         self._follow = threads

@@ -44,7 +44,7 @@ __all__ = ["FLOAT_MAX_ROWS", "NativeDecode", "NativeLinear"]
 _CHUNKS_PER_THREAD = 8
 # chunks per thread of a block product: 16, handed out one at a time (as
 # block_matmul and q8_matmul), so that a thread that loses its core holds back little
-_Q8_CHUNKS = 16
+_BLOCK_CHUNKS = 16
 #: most rows a float32-activation step takes; larger batches decode through
 #: the graph, whose GEMMs win there (SmolLM2, 2 threads, quiet: batch 4 1.11x
 #: the graph's tokens/s, batch 8 0.70x; int8 steps take every batch, 1.35x at 8)
@@ -100,10 +100,10 @@ class NativeLinear:
 
             threads = numba.get_num_threads()
         if self._operands is not None:
-            chunks = 0 if threads == 1 else min(self.out_features, threads * _Q8_CHUNKS)
+            chunks = 0 if threads == 1 else min(self.out_features, threads * _BLOCK_CHUNKS)
             q8_product(x, self._operands, chunks, out)
         elif isinstance(self.weight, BlockWeight):
-            block_product(x, self.weight, min(self.out_features, threads * _Q8_CHUNKS), out)
+            block_product(x, self.weight, min(self.out_features, threads * _BLOCK_CHUNKS), out)
         else:
             chunks = min(self.out_features, threads * _CHUNKS_PER_THREAD)
             ops.float_matmul(x, self.weight, chunks, out)
