@@ -281,12 +281,23 @@ class StepThreads:
     step split over threads waits at each parallel region for a thread that
     lost its core (a scheduler slice, milliseconds, against regions of tens
     of microseconds), and one thread is faster. Neither is known ahead, and
-    the load changes: :meth:`pick` keeps a count for steps of this size
-    until the other one's recent time is lower by :attr:`MARGIN`, and every
-    ``probe_every`` steps tries the other one, so that a change of load is
-    seen. Kernels whose results do not
-    depend on the thread count (those of the engine's own decode step) give
-    the same numbers either way.
+    the load changes. For each step size (e.g. the batch) :meth:`pick` first
+    times :attr:`WINDOW` steps with each count, then keeps a count until the
+    other one's recent time is lower by :attr:`MARGIN`. It tries the other
+    count again
+
+    * while on fewer threads, every ``probe_every`` steps, so that the end
+      of a load is seen;
+    * while on every thread, when the recent time has grown by
+      :attr:`SLOWDOWN` over the best seen since the last try (load arrived:
+      :attr:`WINDOW` steps in a row, so that the decision rests on fresh
+      times), and otherwise only every ``probe_every * QUIET_PROBES`` steps.
+
+    So a quiet machine pays for a slow try once in hundreds of steps, not
+    once in ``probe_every`` (SmolLM2, int8 steps: a one-thread step takes
+    1.3-1.8x a two-thread one). Kernels whose results do not depend on the
+    thread count (those of the engine's own decode step) give the same
+    numbers either way.
 
     Parameters
     ----------
@@ -305,6 +316,13 @@ class StepThreads:
     #: before the choice changes: a VM's step times wander by several percent
     #: from step to step, and each change costs a probe's worth of slow steps
     MARGIN = 0.1
+    #: how much slower (a fraction) than its best since the last try the
+    #: recent time on every thread must get before fewer threads are tried
+    #: (beside two busy loops a two-thread step takes 2-4x its quiet time;
+    #: a longer past adds a few percent per hundred tokens)
+    SLOWDOWN = 0.3
+    #: on every thread with no slowdown, a try every this many ``probe_every``
+    QUIET_PROBES = 8
 
     def __init__(self, most: int, probe_every: int = 32, adaptive: bool = True) -> None:
         self.most = _count(most, "most", allow_none=False) or 1
@@ -315,6 +333,7 @@ class StepThreads:
         self.counts = (self.most, 1) if self.most > 1 and adaptive else (self.most,)
         self._times: dict[tuple[int, int], collections.deque] = {}
         self._choice: dict[int, int] = {}
+        self._floor: dict[int, float] = {}       # size -> best recent time on every thread
         self._steps = 0
 
     def _recent(self, size: int, n: int) -> float:
@@ -334,7 +353,18 @@ class StepThreads:
         if self._recent(size, other) < (1 - self.MARGIN) * self._recent(size, best):
             best = self._choice[size] = other
             other = next(n for n in self.counts if n != best)
-        if self._steps % self.probe_every == 0:
+            self._floor.pop(size, None)
+        if best != self.most:
+            return other if self._steps % self.probe_every == 0 else best
+        recent = self._recent(size, best)
+        floor = self._floor[size] = min(self._floor.get(size, recent), recent)
+        if recent > (1 + self.SLOWDOWN) * floor:
+            # load arrived: time the other count afresh, WINDOW steps in a row
+            # (the first branch above takes it until its window is full)
+            self._times[(size, other)].clear()
+            self._floor[size] = recent
+            return other
+        if self._steps % (self.probe_every * self.QUIET_PROBES) == 0:
             return other
         return best
 
@@ -342,6 +372,7 @@ class StepThreads:
         """Drop the times recorded so far (after a warm-up that compiled)."""
         self._times.clear()
         self._choice.clear()
+        self._floor.clear()
 
     def record(self, size: int, threads: int, seconds: float) -> None:
         """How long a step of ``size`` took with ``threads`` (the last

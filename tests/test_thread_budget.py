@@ -316,7 +316,7 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         picks.append(n)
         st.record(1, n, times[n])
     assert picks[:6] == [2, 1] * 3            # each count tried WINDOW times in turn
-    assert picks[6:].count(1) == 6            # then the other on every 4th step only
+    assert picks[6:].count(1) == 0            # then, quiet, no try before step 32
     slow = picks.copy()
     st.record(1, 2, 0.5)                      # one hiccup of the chosen count: no change
     assert [st.pick(1) for _ in range(3)].count(2) >= 2
@@ -337,7 +337,7 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         n = close.pick(1)
         seen.append(n)
         close.record(1, n, {2: 0.0100, 1: 0.0095 + 0.0003 * (i % 3)}[n])
-    assert seen[6:].count(1) == 10            # probes only (every 4th of steps 7..46)
+    assert seen[6:].count(1) == 1             # the quiet try only (step 32)
     fixed = StepThreads(2, probe_every=1, adaptive=False)
     for _ in range(6):                        # never probes 1, however slow 2 is
         assert fixed.pick(1) == 2
@@ -361,3 +361,36 @@ def test_openmp_spin_bound_is_set_before_the_kernels_unless_the_user_set_one(env
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
                          capture_output=True, text=True, timeout=120).stdout.strip()
     assert out == str(want)
+
+
+def test_step_threads_try_fewer_threads_when_the_steps_slow_down():
+    from pagedkv_np.threads import StepThreads
+
+    st = StepThreads(2, probe_every=4)
+    for _ in range(6):                        # the first window of each count
+        n = st.pick(1)
+        st.record(1, n, {2: 0.010, 1: 0.018}[n])
+    def run(times, steps):
+        out = []
+        for _ in range(steps):
+            n = st.pick(1)
+            out.append(n)
+            st.record(1, n, times[n])
+        return out
+    assert run({2: 0.010, 1: 0.018}, 26) == [2] * 25 + [1]      # the quiet try: step 32
+    # longer pasts: 20% slower, under SLOWDOWN: no try
+    assert run({2: 0.012, 1: 0.020}, 10) == [2] * 10
+    # load arrives: two slow steps make the median slow, then WINDOW fresh tries
+    got = run({2: 0.040, 1: 0.020}, 12)
+    assert got[:5] == [2, 2, 1, 1, 1] and got[5:].count(1) >= 5     # then 1 (every 4th: 2)
+    # a slowdown that fewer threads do not help: one try, then none at that level
+    st2 = StepThreads(2, probe_every=4)
+    for _ in range(6):
+        n = st2.pick(1)
+        st2.record(1, n, {2: 0.010, 1: 0.018}[n])
+    seen = []
+    for _ in range(24):
+        n = st2.pick(1)
+        seen.append(n)
+        st2.record(1, n, {2: 0.014, 1: 0.025}[n])
+    assert seen[:5] == [2, 2, 1, 1, 1] and seen[5:] == [2] * 19
