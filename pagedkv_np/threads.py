@@ -281,23 +281,25 @@ class StepThreads:
     step split over threads waits at each parallel region for a thread that
     lost its core (a scheduler slice, milliseconds, against regions of tens
     of microseconds), and one thread is faster. Neither is known ahead, and
-    the load changes. For each step size (e.g. the batch) :meth:`pick` first
-    times :attr:`WINDOW` steps with each count, then keeps a count until the
-    other one's recent time is lower by :attr:`MARGIN`. It tries the other
-    count again
+    the load changes. A step size (e.g. the batch) not seen yet starts on
+    the count last chosen for any size (at first all of them); :meth:`pick`
+    keeps a count for a size until the other one's recent time (the median
+    of its last :attr:`WINDOW` steps) is lower by :attr:`MARGIN`. It tries
+    the other count again
 
     * while on fewer threads, every ``probe_every`` steps, so that the end
       of a load is seen;
     * while on every thread, when the recent time has grown by
-      :attr:`SLOWDOWN` over the best seen since the last try (load arrived:
-      :attr:`WINDOW` steps in a row, so that the decision rests on fresh
-      times), and otherwise only every ``probe_every * QUIET_PROBES`` steps.
+      :attr:`SLOWDOWN` over the best seen since the last try (load arrived),
+      and otherwise every ``probe_every * QUIET_PROBES`` steps; such a try
+      is :attr:`WINDOW` steps in a row, timed afresh.
 
     So a quiet machine pays for a slow try once in hundreds of steps, not
-    once in ``probe_every`` (SmolLM2, int8 steps: a one-thread step takes
-    1.3-1.8x a two-thread one). Kernels whose results do not depend on the
-    thread count (those of the engine's own decode step) give the same
-    numbers either way.
+    once in ``probe_every``, and a batch of a new size does not start with
+    one-thread steps (SmolLM2, int8 steps: a one-thread step takes 1.3-1.8x
+    a two-thread one). Kernels whose results do not depend on the thread
+    count (those of the engine's own decode step) give the same numbers
+    either way.
 
     Parameters
     ----------
@@ -321,8 +323,9 @@ class StepThreads:
     #: (beside two busy loops a two-thread step takes 2-4x its quiet time;
     #: a longer past adds a few percent per hundred tokens)
     SLOWDOWN = 0.3
-    #: on every thread with no slowdown, a try every this many ``probe_every``
-    QUIET_PROBES = 8
+    #: on every thread with no slowdown, a try (WINDOW steps) every this many
+    #: ``probe_every`` steps
+    QUIET_PROBES = 16
 
     def __init__(self, most: int, probe_every: int = 32, adaptive: bool = True) -> None:
         self.most = _count(most, "most", allow_none=False) or 1
@@ -334,6 +337,8 @@ class StepThreads:
         self._times: dict[tuple[int, int], collections.deque] = {}
         self._choice: dict[int, int] = {}
         self._floor: dict[int, float] = {}       # size -> best recent time on every thread
+        self._trying: dict[int, int] = {}        # size -> steps left of a try of the other
+        self._last = self.most                   # where a size not seen yet starts
         self._steps = 0
 
     def _recent(self, size: int, n: int) -> float:
@@ -344,27 +349,30 @@ class StepThreads:
         self._steps += 1
         if len(self.counts) == 1:
             return self.counts[0]
-        # first each count in turn until both have a full window
-        tried = [len(self._times.get((size, n), ())) for n in self.counts]
-        if min(tried) < self.WINDOW:
-            return self.counts[tried.index(min(tried))]
-        best = self._choice.get(size, self.counts[0])
+        best = self._choice.setdefault(size, self._last)
         other = next(n for n in self.counts if n != best)
-        if self._recent(size, other) < (1 - self.MARGIN) * self._recent(size, best):
-            best = self._choice[size] = other
-            other = next(n for n in self.counts if n != best)
+        if self._trying.get(size, 0) > 0:
+            self._trying[size] -= 1
+            return other
+        mine = self._times.get((size, best), ())
+        if len(mine) < self.WINDOW:
+            return best
+        theirs = self._times.get((size, other), ())
+        if len(theirs) == self.WINDOW and \
+                statistics.median(theirs) < (1 - self.MARGIN) * statistics.median(mine):
+            best = self._choice[size] = self._last = other
             self._floor.pop(size, None)
+            return best
         if best != self.most:
             return other if self._steps % self.probe_every == 0 else best
-        recent = self._recent(size, best)
+        recent = statistics.median(mine)
         floor = self._floor[size] = min(self._floor.get(size, recent), recent)
-        if recent > (1 + self.SLOWDOWN) * floor:
-            # load arrived: time the other count afresh, WINDOW steps in a row
-            # (the first branch above takes it until its window is full)
-            self._times[(size, other)].clear()
+        if recent > (1 + self.SLOWDOWN) * floor or \
+                self._steps % (self.probe_every * self.QUIET_PROBES) == 0:
+            # load arrived, or a rare check: WINDOW steps on the other, timed afresh
+            self._times.pop((size, other), None)
+            self._trying[size] = self.WINDOW - 1
             self._floor[size] = recent
-            return other
-        if self._steps % (self.probe_every * self.QUIET_PROBES) == 0:
             return other
         return best
 
@@ -373,6 +381,8 @@ class StepThreads:
         self._times.clear()
         self._choice.clear()
         self._floor.clear()
+        self._trying.clear()
+        self._last = self.most
 
     def record(self, size: int, threads: int, seconds: float) -> None:
         """How long a step of ``size`` took with ``threads`` (the last

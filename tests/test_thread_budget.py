@@ -304,40 +304,45 @@ def test_serve_spin_flags_and_the_word_the_summary_logs(argv, spin, spin_us, wor
         parse_args(["--spin", "--no-spin", "m.gguf"])
 
 
+def _steps(st, times, n, size=1):
+    out = []
+    for _ in range(n):
+        k = st.pick(size)
+        out.append(k)
+        st.record(size, k, times[k])
+    return out
+
+
 def test_step_threads_follow_the_faster_count_and_probe_the_other():
     from pagedkv_np.threads import StepThreads
 
     st = StepThreads(2, probe_every=4)
     assert st.counts == (2, 1)
-    times = {2: 0.010, 1: 0.030}              # a quiet machine: 2 threads faster
-    picks = []
-    for _ in range(30):
-        n = st.pick(1)
-        picks.append(n)
-        st.record(1, n, times[n])
-    assert picks[:6] == [2, 1] * 3            # each count tried WINDOW times in turn
-    assert picks[6:].count(1) == 0            # then, quiet, no try before step 32
-    slow = picks.copy()
+    quiet = {2: 0.010, 1: 0.030}              # a quiet machine: 2 threads faster
+    picks = _steps(st, quiet, 70)
+    # all on 2; the quiet check (every 4 * QUIET_PROBES = 64 steps): 3 steps on 1
+    assert picks == [2] * 63 + [1, 1, 1] + [2] * 4
     st.record(1, 2, 0.5)                      # one hiccup of the chosen count: no change
-    assert [st.pick(1) for _ in range(3)].count(2) >= 2
-    times = {2: 0.200, 1: 0.030}              # the load changes: 1 thread now faster
-    for _ in range(24):
-        n = st.pick(1)
-        picks.append(n)
-        st.record(1, n, times[n])
-    assert picks[-8:].count(1) >= 6
-    assert slow == picks[:30]
-    assert st.pick(8) == 2                    # another size is timed on its own
+    assert _steps(st, quiet, 3) == [2, 2, 2]
+    busy = {2: 0.200, 1: 0.030}               # the load changes: 1 thread now faster
+    got = _steps(st, busy, 24)
+    assert got[:5] == [2, 2, 1, 1, 1]         # two slow steps, then 3 tries, then 1
+    assert got[5:].count(1) >= 14 and got[-8:].count(2) == 2       # 2 every 4th step
+    assert _steps(st, busy, 3, size=8) == [1, 1, 1]     # a new size starts on the last choice
+    back = _steps(st, quiet, 24)              # the load ends: seen by the probes of 2
+    assert back[-8:] == [2] * 8
     st.forget()
     assert st.pick(1) == 2
     assert StepThreads(1).counts == (1,)
     close = StepThreads(2, probe_every=4)     # within the margin: no flapping
     seen = []
-    for i in range(46):
+    for i in range(60):
         n = close.pick(1)
         seen.append(n)
         close.record(1, n, {2: 0.0100, 1: 0.0095 + 0.0003 * (i % 3)}[n])
-    assert seen[6:].count(1) == 1             # the quiet try only (step 32)
+    assert seen == [2] * 60
+    tiny = StepThreads(2, probe_every=4)      # one thread faster even when quiet
+    assert _steps(tiny, {2: 0.020, 1: 0.010}, 72)[-8:].count(1) == 6    # 2 every 4th
     fixed = StepThreads(2, probe_every=1, adaptive=False)
     for _ in range(6):                        # never probes 1, however slow 2 is
         assert fixed.pick(1) == 2
@@ -346,6 +351,18 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         StepThreads(0)
     with pytest.raises(DTypeError):
         StepThreads(2, adaptive="no")
+
+
+def test_step_threads_try_fewer_threads_only_when_the_steps_slow_down():
+    from pagedkv_np.threads import StepThreads
+
+    st = StepThreads(2, probe_every=4)
+    assert _steps(st, {2: 0.010, 1: 0.018}, 30) == [2] * 30
+    # longer pasts: 20% slower, under SLOWDOWN: no try
+    assert _steps(st, {2: 0.012, 1: 0.020}, 10) == [2] * 10
+    # a slowdown that fewer threads do not help: one try, then none at that level
+    seen = _steps(st, {2: 0.014, 1: 0.025}, 20)
+    assert seen[:5] == [2, 2, 1, 1, 1] and seen[5:] == [2] * 15
 
 
 @pytest.mark.parametrize("env, want", [({}, "30000"), ({"GOMP_SPINCOUNT": "7"}, "7"),
@@ -361,36 +378,3 @@ def test_openmp_spin_bound_is_set_before_the_kernels_unless_the_user_set_one(env
     out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, check=True,
                          capture_output=True, text=True, timeout=120).stdout.strip()
     assert out == str(want)
-
-
-def test_step_threads_try_fewer_threads_when_the_steps_slow_down():
-    from pagedkv_np.threads import StepThreads
-
-    st = StepThreads(2, probe_every=4)
-    for _ in range(6):                        # the first window of each count
-        n = st.pick(1)
-        st.record(1, n, {2: 0.010, 1: 0.018}[n])
-    def run(times, steps):
-        out = []
-        for _ in range(steps):
-            n = st.pick(1)
-            out.append(n)
-            st.record(1, n, times[n])
-        return out
-    assert run({2: 0.010, 1: 0.018}, 26) == [2] * 25 + [1]      # the quiet try: step 32
-    # longer pasts: 20% slower, under SLOWDOWN: no try
-    assert run({2: 0.012, 1: 0.020}, 10) == [2] * 10
-    # load arrives: two slow steps make the median slow, then WINDOW fresh tries
-    got = run({2: 0.040, 1: 0.020}, 12)
-    assert got[:5] == [2, 2, 1, 1, 1] and got[5:].count(1) >= 5     # then 1 (every 4th: 2)
-    # a slowdown that fewer threads do not help: one try, then none at that level
-    st2 = StepThreads(2, probe_every=4)
-    for _ in range(6):
-        n = st2.pick(1)
-        st2.record(1, n, {2: 0.010, 1: 0.018}[n])
-    seen = []
-    for _ in range(24):
-        n = st2.pick(1)
-        seen.append(n)
-        st2.record(1, n, {2: 0.014, 1: 0.025}[n])
-    assert seen[:5] == [2, 2, 1, 1, 1] and seen[5:] == [2] * 19

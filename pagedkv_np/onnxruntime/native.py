@@ -270,6 +270,7 @@ class NativeDecode:
         #: decode steps computed so far
         self.steps = 0
         self._threads = self.step_threads.counts[0]
+        self._forced = 0           # a thread count that overrides the pick (warmup)
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
@@ -325,8 +326,12 @@ class NativeDecode:
         shape = (1, c.num_kv_heads, 1, c.head_dim)
         kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
               for _ in range(c.num_layers)]
-        for _ in self.step_threads.counts:       # pick() gives each count once
-            self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+        for n in self.step_threads.counts:       # each count a step picks
+            self._forced = n
+            try:
+                self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
+            finally:
+                self._forced = 0
         q = np.zeros((1, c.num_heads * c.head_dim), np.float32)
         ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, kv[0][0], kv[0][1],
                    np.zeros(1, np.int64), 0, np.float32(1.0), q.copy())
@@ -340,7 +345,7 @@ class NativeDecode:
         import numba
 
         before = numba.get_num_threads()
-        n = self.step_threads.pick(size)
+        n = self._forced or self.step_threads.pick(size)
         numba.set_num_threads(n)
         chunksize = numba.set_parallel_chunksize(1)
         self._threads = n
