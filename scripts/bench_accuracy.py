@@ -75,9 +75,15 @@ for 14,790 tokens each, prefill 229 s, graph 885 s)::
 
                             NLL       PPL      +/-  NLL vs float32 decode
     decode float32      2.72845   15.3091   0.3481      +0.000%
-    decode int8         2.74178   15.5145   0.3532      +0.489%
+    decode int8         2.74178   15.5145   0.3532      +0.489%  (before 6f6c1fc)
+    decode int8         2.73263   15.3733   0.3498      +0.153%  (6f6c1fc: KL 0.0028)
+    int8, head float32  2.73113   15.3502   0.3492      +0.098%  (the head built so)
     graph level 0       2.72845   15.3091   0.3481      -0.000%  (nll, recomputed)
     llama-perplexity    2.73114   15.3504   0.3493      +0.099%  (recorded above)
+    llama-perplexity    2.72845   15.3092   0.3481      +0.000%  (weights as float32)
+
+(6f6c1fc rounds and the float32-weight file: 2026-12-02, quiet; the file
+written from the GGUF's dequantized tensors with the gguf package.)
     KL(float32 || int8) 0.0134 per token; same top token 93.56%
 
 The float32 decode step scores the text as the graph does (the same NLL to
