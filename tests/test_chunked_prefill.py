@@ -14,12 +14,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pagedkv_np.errors import ConfigError, DTypeError, RequestFailed
 from pagedkv_np.models.testmodel import DecoderConfig, build_model
 from pagedkv_np.onnxruntime import OrtDecoder
 from pagedkv_np.onnxruntime.chunking import (DEFAULT_PREFILL_CHUNK, SOLO_PREFILL_CHUNK,
-                                              ChunkBudget)
+                                             TILE_ROWS, ChunkBudget, chunk_rows)
 from pagedkv_np.onnxruntime.runners import LOGITS_TO_KEEP
 
 from helpers import deep_state
@@ -295,3 +297,22 @@ def test_a_graph_without_logits_to_keep_is_served_the_same(family):
         assert dec.pop_output(rid) == ref(family).tokens(p, RUN)
     assert dec.pop_output(long) == ref(family).tokens(LONG, NEW)
     assert_idle(dec)
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.integers(1, 700), remaining=st.integers(1, 1200), first=st.booleans())
+def test_no_chunk_leaves_a_lone_row_in_a_tile(budget, remaining, first):
+    n = chunk_rows(budget, remaining, first)
+    assert 0 <= n <= remaining
+    if remaining == 1:                        # a prompt of one token: nothing to split
+        assert n == (1 if budget >= 1 else 0)
+        return
+    if n:
+        assert n % TILE_ROWS != 1 and (remaining - n) % TILE_ROWS != 1
+    if not first:
+        assert n <= budget
+    else:                                     # a step's first chunk always moves
+        assert 0 < n <= max(budget, 3)
+    # the most that fits the budget
+    assert all(m % TILE_ROWS == 1 or (remaining - m) % TILE_ROWS == 1
+               for m in range(n + 1, min(budget, remaining) + 1))

@@ -58,7 +58,7 @@ import numpy as np
 
 from ..cache import PagedKVCache
 from ..errors import RequestFailed
-from .chunking import ChunkBudget, Prefill
+from .chunking import ChunkBudget, Prefill, chunk_rows
 from .requests import Request, StepEvents
 from .runners import Runner
 
@@ -88,12 +88,21 @@ class Batcher:
         Updated in place (the decoder's ``stats``).
     chunks : ChunkBudget
         Prompt tokens a step feeds (:mod:`pagedkv_np.onnxruntime.chunking`).
+    two_fed : bool
+        The prefix cache serves all but two of a prompt's tokens at most
+        (else one): its last token then never runs through the model alone,
+        whose K/V would differ in the last bits from a chunk's (see
+        :func:`~pagedkv_np.onnxruntime.chunking.chunk_rows`). For int8 decode
+        steps, which turn such bits into other tokens; a prompt a token past
+        its cached pages then recomputes a page (one token with
+        ``partial_page_reuse``).
     """
 
     def __init__(self, cache: PagedKVCache, runner: Runner, max_batch_size: int,
                  write_interval: int, max_positions: int | None, counters: dict,
-                 chunks: ChunkBudget | None = None) -> None:
+                 chunks: ChunkBudget | None = None, two_fed: bool = False) -> None:
         self.cache = cache
+        self.two_fed = two_fed
         self.runner = runner
         self.max_batch_size = max_batch_size
         self.write_interval = write_interval
@@ -375,14 +384,17 @@ class Batcher:
         next chunk, then waiting requests, oldest first, while the batch has
         room and the pool has pages. ``decoding``: whether this step decoded
         running requests (the budget is then a chunk's)."""
-        budget = self.chunks.tokens(decoding)
+        budget = full = self.chunks.tokens(decoding)
         while budget > 0:
             if self.prefilling is None and not self._open(events):
                 break
             fill = self.prefilling
             if fill is None:          # the request failed at once: on to the next
                 continue
-            n = min(budget, fill.num_tokens - fill.num_done)
+            # never a chunk of n % 128 == 1 rows: its K/V bits would differ (chunking)
+            n = chunk_rows(budget, fill.num_tokens - fill.num_done, budget == full)
+            if n == 0:
+                break
             budget -= n
             if not self._feed(fill, n, events):
                 break
@@ -400,7 +412,8 @@ class Batcher:
         seq = None
         try:
             tokens = req.all_tokens()
-            seq = cache.add_sequence(tokens, salt=req.salt)
+            seq = cache.add_sequence(tokens[:-1] if self.two_fed and tokens.shape[0] > 1
+                                     else tokens, salt=req.salt)
             num_cached = seq.num_cached_tokens
             # keep a page per running request so the next decode step rarely preempts
             if not cache.can_extend(seq, tokens.shape[0] - num_cached,

@@ -35,6 +35,18 @@ times it steered by were noisy.
 With no request decoding, nothing stalls: a step feeds
 :data:`SOLO_PREFILL_CHUNK` tokens, which bounds the activations a long
 prompt needs without slowing it down.
+
+A chunk never has ``n % 128 == 1`` rows (:func:`chunk_rows`), the one thing
+that changes a prompt's K/V bits with the chunking: onnxruntime 1.32's 4-bit
+``MatMulNBits`` computes the lone last row of a 128-row tile (a 1-token
+chunk above all) on its single-row path, which differs from the rows of a
+batch in the last bits; every other chunking of a prompt gives the same K/V,
+bit for bit (SmolLM2, a 45-token prompt in chunks of 5, 8, 9, 16 and whole;
+chunks of 44 and 1 differ at the last position). Without the rule the
+chunking followed the scheduling (a step's budget left over by one prompt
+starts the next), and int8 decode steps turn last-bit differences into
+other tokens (1 of 4 chats of ``tests/test_determinism.py``, fed in 8- and
+16-token chunks beside decoding).
 """
 
 from __future__ import annotations
@@ -46,7 +58,8 @@ import numpy as np
 from ..checks import check_positive_int
 from .requests import Request
 
-__all__ = ["ChunkBudget", "Prefill", "DEFAULT_PREFILL_CHUNK", "SOLO_PREFILL_CHUNK"]
+__all__ = ["ChunkBudget", "Prefill", "DEFAULT_PREFILL_CHUNK", "SOLO_PREFILL_CHUNK",
+           "TILE_ROWS", "chunk_rows"]
 
 #: Prompt tokens a step feeds while requests decode (``prefill_chunk``).
 DEFAULT_PREFILL_CHUNK = 64
@@ -55,6 +68,32 @@ DEFAULT_PREFILL_CHUNK = 64
 #: in chunks of 512 took 87.5 s against 100.9 s in one call (and 88.9 s in
 #: chunks of 256) on a loaded machine, and bounds its activations.
 SOLO_PREFILL_CHUNK = 512
+
+
+#: rows of onnxruntime's MatMulNBits tiles: a chunk of ``n % TILE_ROWS == 1`` rows
+#: has a lone last row, computed on the single-row path
+TILE_ROWS = 128
+
+
+def chunk_rows(budget: int, remaining: int, first: bool) -> int:
+    """How many of a prompt's ``remaining`` tokens to feed now, with ``budget``
+    left in this step: the most, up to ``budget``, that leave neither this
+    chunk nor the rest with ``n % TILE_ROWS == 1`` rows (a prompt of one
+    token excepted); 0 to wait for the next step. ``first``: nothing was fed
+    in this step yet, so a chunk a token or two over ``budget`` is taken
+    rather than none (a budget of 1 still moves)."""
+    if remaining <= 1:
+        return remaining if budget >= remaining or first else 0
+
+    def fits(n: int) -> bool:
+        return n % TILE_ROWS != 1 and (remaining - n) % TILE_ROWS != 1
+
+    for n in range(min(budget, remaining), 0, -1):
+        if fits(n):
+            return n
+    if not first:
+        return 0
+    return next(n for n in range(min(budget, remaining) + 1, remaining + 1) if fits(n))
 
 
 class ChunkBudget:

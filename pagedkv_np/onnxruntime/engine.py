@@ -318,7 +318,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
              "num_failed_requests", "num_batch_failures"), 0)
         self._batcher = Batcher(self.cache, make_runner(self.session, io, head, native),
                                 self.max_batch_size, self.write_interval, self.max_positions,
-                                self._counters, chunks)
+                                self._counters, chunks,
+                                two_fed=native is not None and native.int8)
 
     def __repr__(self) -> str:
         cache = self.cache
