@@ -88,8 +88,8 @@ def setup_cache():
 
 def steady_engine(model: bytes, kind: str, batch: int, depth: int):
     """An OrtDecoder decoding ``batch`` requests as one batch, each a shared
-    ``depth``-token context (in the prefix cache before they arrive) plus a
-    token of its own: every later ``step()`` is a plain decode step, for up
+    ``depth``-token context (in the prefix cache before they arrive) plus two
+    tokens of its own: every later ``step()`` is a plain decode step, for up
     to ``_STEPS`` steps."""
     from pagedkv_np.onnxruntime import OrtDecoder
 
@@ -103,7 +103,8 @@ def steady_engine(model: bytes, kind: str, batch: int, depth: int):
     if depth:
         dec.generate([shared + [batch]], max_new_tokens=1)       # the context, cached
     hits = dec.stats["prefix_hit_tokens"]
-    ids = [dec.add_request(shared + [i], max_new_tokens=_STEPS) for i in range(batch)]
+    # two tokens of its own: int8 steps leave two prompt tokens to compute
+    ids = [dec.add_request(shared + [i, i], max_new_tokens=_STEPS) for i in range(batch)]
     while not all(dec.get_output(rid) for rid in ids):           # the prefills
         dec.step()
     if dec.stats["prefix_hit_tokens"] - hits < batch * (depth // PAGE * PAGE):

