@@ -82,8 +82,8 @@ def chunk_rows(budget: int, remaining: int, first: bool) -> int:
     token excepted); 0 to wait for the next step. ``first``: nothing was fed
     in this step yet, so a chunk a token or two over ``budget`` is taken
     rather than none (a budget of 1 still moves)."""
-    if remaining <= 1:
-        return remaining if budget >= remaining or first else 0
+    if remaining <= 1:                  # a budget is at least 1
+        return remaining
 
     def fits(n: int) -> bool:
         return n % TILE_ROWS != 1 and (remaining - n) % TILE_ROWS != 1
