@@ -355,3 +355,48 @@ def test_a_linear_matches_the_checked_product_and_refuses_wrong_buffers(int8):
         with pytest.raises(error):
             linear(bad_x, bad_out, 1)
         assert not out.any()                  # nothing written
+
+
+_ATTEND_SCRIPT = """
+import sys
+import numpy as np
+from pagedkv_np.backends import decode_ops as ops
+rng = np.random.default_rng(7)
+b, heads, kv_heads, d, cap = 3, 6, 2, 32, 700
+k = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
+v = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
+q = (3 * rng.standard_normal((b, heads * d))).astype(np.float32)
+positions = np.array([0, 650, 299])
+out = np.empty_like(q)
+for step in sys.argv[2].split(","):
+    if step == "parts":      # the callees alone, into the disk cache
+        ops._exp_shifted(q[0].copy(), 5, np.float32(9.0), np.empty(5, np.int32))
+        ops._attend_group(0, q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)
+    else:
+        kernel = ops.attend if step == "parallel" else ops.attend_serial
+        kernel(q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)
+        np.save(sys.argv[1] + step + ".npy", out)
+"""
+
+
+def test_attention_bits_do_not_depend_on_which_process_compiled_what(tmp_path):
+    """Parallel and serial attention give the same bits whether their callees
+    were compiled in the same process or loaded from a disk cache that
+    another process wrote (two test workers share one cache)."""
+    import os
+    import subprocess
+    import sys
+
+    def run(cache, prefix, steps):
+        env = dict(os.environ, PAGEDKV_NUMBA_CACHE_DIR=str(tmp_path / cache))
+        proc = subprocess.run([sys.executable, "-c", _ATTEND_SCRIPT, str(tmp_path / prefix),
+                               steps], env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr
+
+    run("fresh", "fresh_", "parallel,serial")
+    run("shared", "x", "parts")
+    run("shared", "shared_", "serial")
+    run("shared", "shared_", "parallel")
+    want = np.load(tmp_path / "fresh_parallel.npy")
+    for name in ("fresh_serial", "shared_serial", "shared_parallel"):
+        np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want, err_msg=name)

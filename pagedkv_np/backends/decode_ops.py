@@ -9,9 +9,12 @@ past, the gated MLP's activation and the embedding's rows.
 
 Every kernel works row by row (a row is one sequence's token) with the same
 code for every row, so a row's result does not depend on the other rows of
-the batch or on the thread count. The attention kernel lets LLVM reorder its
-dot products' sums (``fastmath={"reassoc", "contract"}``) so that they
-vectorize: the order is then the compiler's, the same on every call. Inputs
+the batch or on the thread count. Only two pure reductions (:func:`_dot`,
+:func:`_sum`) let LLVM reorder their sums so that they vectorize; every other
+loop keeps IEEE order, so that its bits do not depend on how the compiler
+inlined it. Reordering flags on a kernel that stores made parallel and serial
+attention differ in the last bit when one of them was compiled against a
+callee that another process had left in the disk cache. Inputs
 are trusted: the caller (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`)
 checks the shapes once, when it lays the weights out, and owns every buffer.
 """
@@ -31,9 +34,6 @@ __all__ = ["rms_norm", "head_norm", "rope", "write_kv", "attend", "attend_serial
 
 #: :func:`gated`'s activation codes
 ACT_SILU, ACT_GELU_TANH = 0, 1
-
-_FAST = {"reassoc", "contract", "nsz"}
-
 
 @jit_kernel
 def rms_norm(x, weight, eps, out):
@@ -97,13 +97,40 @@ _EXP_C = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
 _LN2_HI, _LN2_LO = 0.693359375, -2.12194440e-4
 
 
-@jit_kernel(fastmath=_FAST)
+# LLVM may reorder the sums of these two to vectorize them (reassoc) and fuse
+# their products (contract). Each is a pure reduction with no store, so its
+# vector loop runs without a runtime alias check: the order of its sums is
+# that of its compiled code and ``n`` alone, the same on every call and in
+# every caller. Loops that store keep strict IEEE order, so whichever path an
+# alias check takes there, the bits are the same.
+_REDUCE = {"reassoc", "contract", "nsz"}
+
+
+@jit_kernel(fastmath=_REDUCE)
+def _dot(a, b, n):
+    """``sum(a[:n] * b[:n])`` in float32."""
+    s = np.float32(0.0)
+    for i in range(n):
+        s += a[i] * b[i]
+    return s
+
+
+@jit_kernel(fastmath=_REDUCE)
+def _sum(a, n):
+    """``sum(a[:n])`` in float32."""
+    s = np.float32(0.0)
+    for i in range(n):
+        s += a[i]
+    return s
+
+
+@jit_kernel
 def _exp_shifted(row, n, top, twos):
-    """``row[:n] = exp(row[:n] - top)`` (every value <= top), vectorized:
-    ``2^k * p(r)`` with ``k`` the nearest integer to ``x / ln 2``, ``p`` a
-    polynomial on the rest and ``2^k`` built from its exponent bits in
-    ``twos`` (int32 scratch of ``n`` or more); ``x`` below -87 counts as -87
-    (``exp(-87)`` is ~1e-38 of the largest term). Returns the sum."""
+    """``row[:n] = exp(row[:n] - top)`` (every value <= top): ``2^k * p(r)``
+    with ``k`` the nearest integer to ``x / ln 2``, ``p`` a polynomial on the
+    rest and ``2^k`` built from its exponent bits in ``twos`` (int32 scratch
+    of ``n`` or more); ``x`` below -87 counts as -87 (``exp(-87)`` is ~1e-38
+    of the largest term). Returns their sum (:func:`_sum`)."""
     c0, c1, c2, c3, c4, c5 = _EXP_C
     for t in range(n):
         x = max(row[t] - top, np.float32(-87.0))
@@ -114,14 +141,12 @@ def _exp_shifted(row, n, top, twos):
         row[t] = poly * r * r + r + np.float32(1.0)
         twos[t] = (np.int32(k) + np.int32(127)) << np.int32(23)
     scale = twos[:n].view(np.float32)
-    total = np.float32(0.0)
     for t in range(n):
         row[t] *= scale[t]
-        total += row[t]
-    return total
+    return _sum(row, n)
 
 
-@jit_kernel(fastmath=_FAST)
+@jit_kernel
 def _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
                   scale, out):
     """The query heads that share K/V head ``job % num_kv_heads`` of sequence
@@ -141,10 +166,7 @@ def _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positio
     for t in range(n):
         k = keys[first + t]
         for g in range(groups):
-            s = np.float32(0.0)
-            for i in range(head_dim):
-                s += q[g, i] * k[i]
-            scores[g, t] = s
+            scores[g, t] = _dot(q[g], k, head_dim)
     acc = np.zeros((groups, head_dim), np.float32)
     twos = np.empty(n, np.int32)
     for g in range(groups):
