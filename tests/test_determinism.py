@@ -119,3 +119,26 @@ def test_streamed_text_is_the_whole_answer(folder, alone):
         assert "".join(deltas) == whole and len(deltas) > 1
         assert whole == dec.text.decode(tokens[:-1] if tokens[-1] == 2 else tokens)
 
+
+@pytest.mark.parametrize("prefill_chunk", [8, 16])
+def test_int8_steps_give_each_request_its_tokens_alone_however_it_is_fed(folder, prefill_chunk):
+    """Int8 activations turn last-bit differences of a prompt's K/V into
+    whole quantization steps, so every way of serving a request must give
+    its K/V the same bits: no chunk of a lone row (the chunking then changes
+    nothing), and a cached prefix leaves two tokens to compute."""
+    def int8(**kw) -> OrtDecoder:
+        return decoder(folder, int8_activations=True, **kw)
+
+    cold = int8(enable_prefix_caching=False)
+    prompts = [cold.encode_chat(c) for c in chats()]
+    alone = [cold.generate([p], max_new_tokens=NEW)[0] for p in prompts]
+    fed = int8(enable_prefix_caching=False, prefill_chunk=prefill_chunk)
+    assert staggered(fed, prompts) == alone
+    assert fed.stats["num_prefill_chunks"] >= 1 + 3 * (40 // prefill_chunk)
+    cached = int8(prefill_chunk=prefill_chunk)
+    cached.generate([prompts[0]], max_new_tokens=1)      # the system prompt's pages
+    assert [cached.generate([p], max_new_tokens=NEW)[0] for p in prompts] == alone
+    assert [cached.generate([p], max_new_tokens=NEW)[0] for p in prompts] == alone  # all cached
+    assert cached.generate(prompts, max_new_tokens=NEW) == alone
+    assert staggered(cached, prompts) == alone
+    assert cached.stats["prefix_hit_tokens"] > 0
