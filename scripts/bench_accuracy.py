@@ -25,16 +25,18 @@ decode
     The ``nll`` windows and scored positions through the engine's own
     decode step (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`, built
     as ``OrtDecoder`` builds it, with the folder's engine-side head), with
-    float32 and with int8 activations, teacher-forced: a window's first
+    float32 activations, int8 ones with the head in float32 (``int8``, as
+    ``OrtDecoder`` decodes a GGUF import by default) and int8 ones with the
+    head's too (``int8 head``), teacher-forced: a window's first
     ``n_ctx/2`` tokens are prefilled by onnxruntime in float32 as the engine
     prefills a prompt (their K/V copied into the step's buffers), then every
     position from ``n_ctx/2`` to ``n_ctx - 2`` is one decode step that feeds
     the text's own token and reads the logits. So every scored position goes
     through a decode step, and the K/V that later positions attend to are
     the decode step's own (``--all-decode``: every position from 0, no
-    prefill). ``--batch`` windows step together, float32 and int8 on the
+    prefill). ``--batch`` windows step together, every configuration on the
     same batches. Reported: as ``nll`` against the float32 decode path, with
-    KL(float32 || int8) and top-token agreement; ``--graph`` also scores the
+    KL(float32 || each) and top-token agreement; ``--graph`` also scores the
     windows through the graph (the ``nll`` section's first configuration).
 rows
     One-node ``MatMulNBits`` models (4-bit block 32, 8-bit blocks 32 and
@@ -87,9 +89,11 @@ written from the GGUF's dequantized tensors with the gguf package.)
     KL(float32 || int8) 0.0134 per token; same top token 93.56%
 
 The float32 decode step scores the text as the graph does (the same NLL to
-the fifth decimal). int8 activations cost +0.489% NLL, inside +0.5% but
-0.39% above llama-perplexity's 2.73114 on the same file (level 4 in the
-graph: +0.514%).
+the fifth decimal). int8 activations cost +0.489% NLL before 6f6c1fc (the
+block offsets took the exact float sum of the inputs, not that of their
+rounded values), 0.39% above llama-perplexity's 2.73114 on the same file
+(level 4 in the graph: +0.514%); since then +0.153%, and +0.098% with the
+head in float32, llama-perplexity's own figure.
 
 rows: 4-bit blocks (levels 0 and 4) give every row of a batch other bits
 than the same row alone (up to 7e-6 absolute), at 1 and 2 threads alike,
@@ -328,9 +332,10 @@ def run_nll(args: argparse.Namespace) -> None:
 class DecodeScorer:
     """The engine's own decode step (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`),
     built as ``OrtDecoder`` builds it, with the engine-side head when the
-    folder has one; ``int8``: activations rounded to int8 per block."""
+    folder has one; ``int8``: activations rounded to int8 per block (the
+    head's too with ``head_int8``)."""
 
-    def __init__(self, folder: Path, threads: int, int8: bool) -> None:
+    def __init__(self, folder: Path, threads: int, int8: bool, head_int8: bool = False) -> None:
         from pagedkv_np.models.geometry import geometry_from_json
         from pagedkv_np.onnxruntime.head import BlockHead
         from pagedkv_np.onnxruntime.model_io import graph_facts
@@ -345,7 +350,7 @@ class DecodeScorer:
         self.native = NativeDecode.from_source(source, proto, self.geometry, threads,
                                                with_head=facts.head_file is None, int8=int8)
         self.head = (None if facts.head_file is None
-                     else BlockHead(folder / facts.head_file, threads, int8))
+                     else BlockHead(folder / facts.head_file, threads, head_int8))
         self.native.warmup()
         if self.head is not None:
             self.head.warmup()
@@ -413,15 +418,17 @@ def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
         sys.exit(f"the text has {len(tokens)} tokens: at least {2 * n_ctx} are needed")
     if max_windows:
         num_windows = min(num_windows, max_windows)
+    # "int8": as OrtDecoder decodes a GGUF import by default (the head in float32)
     modes = {"float32": DecodeScorer(folder, threads, False),
-             "int8": DecodeScorer(folder, threads, True)}
+             "int8": DecodeScorer(folder, threads, True),
+             "int8 head": DecodeScorer(folder, threads, True, head_int8=True)}
     prompt_kv = PromptKV(folder, threads) if prefill else None
     graph_scorer = WindowScorer(folder, threads) if graph else None
     first = n_ctx // 2
     start = first if prefill else 0          # the first position a decode step feeds
     nll: dict[str, list[np.ndarray]] = {name: [] for name in modes}
-    kl: list[np.ndarray] = []
-    same_top = 0
+    kl: dict[str, list[np.ndarray]] = {name: [] for name in modes if name != "float32"}
+    same_top = dict.fromkeys(kl, 0)
     seconds = dict.fromkeys([*modes, "prefill", "graph"], 0.0)
     graph_nll: list[np.ndarray] = []
     for lo in range(0, num_windows, batch):
@@ -439,7 +446,8 @@ def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
                         kv[layer][1][row, :, :first] = v
             seconds["prefill"] += time.perf_counter() - t0
         steps: dict[str, list[np.ndarray]] = {name: [] for name in modes}   # [B] per position
-        step_kl, step_top = [], 0
+        step_kl: dict[str, list] = {name: [] for name in kl}
+        step_top = dict.fromkeys(kl, 0)
         for pos in range(start, n_ctx - 1):
             positions = np.full(len(windows), pos, np.int64)
             target = windows[:, pos + 1]
@@ -453,12 +461,15 @@ def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
                     steps[name].append(-logp[name][np.arange(len(windows)), target])
             if pos >= first:
                 p0 = np.exp(logp["float32"])
-                step_kl.append((p0 * (logp["float32"] - logp["int8"])).sum(axis=-1))
-                step_top += int((logp["float32"].argmax(-1) == logp["int8"].argmax(-1)).sum())
+                for name in kl:
+                    step_kl[name].append((p0 * (logp["float32"] - logp[name])).sum(axis=-1))
+                    step_top[name] += int((logp["float32"].argmax(-1)
+                                           == logp[name].argmax(-1)).sum())
         for name in modes:
             nll[name].append(np.stack(steps[name], axis=1).ravel())   # window-major
-        kl.append(np.stack(step_kl, axis=1).ravel())
-        same_top += step_top
+        for name in kl:
+            kl[name].append(np.stack(step_kl[name], axis=1).ravel())
+            same_top[name] += step_top[name]
         if graph_scorer is not None:
             for window in windows:
                 t0 = time.perf_counter()
@@ -474,8 +485,9 @@ def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
                  "seconds": seconds, "names": list(modes)}
     for name in modes:
         out[name] = summary(np.concatenate(nll[name]))
-    out["int8"]["kl"] = float(np.concatenate(kl).mean())
-    out["int8"]["same_top"] = same_top / out["num_scored"]
+    for name in kl:
+        out[name]["kl"] = float(np.concatenate(kl[name]).mean())
+        out[name]["same_top"] = same_top[name] / out["num_scored"]
     if graph_nll:
         out["graph"] = summary(np.concatenate(graph_nll))
     return out
@@ -512,7 +524,7 @@ def run_decode(args: argparse.Namespace) -> None:
         print(f"{name:28} {r['nll']:8.5f} {r['ppl']:9.4f} {r['ppl_pm']:8.4f} "
               f"{100 * (r['nll'] / base - 1):+14.3f}%"
               + (f" {r['kl']:9.6f} {100 * r['same_top']:7.2f}%" if "kl" in r else ""))
-    print("KL: mean per scored token of KL(decode float32 || decode int8); same top: the "
+    print("KL: mean per scored token of KL(decode float32 || the row's); same top: the "
           "scored positions whose most likely token is the same")
 
 

@@ -97,6 +97,8 @@ def test_redis_shared_example(tmp_path):
         server.wait(10)
     (first, hits1, redis1, written1), (second, hits2, redis2, _) = tier_lines(out, "Redis")
     assert (hits1, redis1) == (0, 0) and written1 > 0
-    assert redis2 == written1 and hits2 == 16 * redis2   # replica 2 computed none of them
+    # replica 2 computed none of them but the last page when its prompt ends a
+    # token past it (int8 decode steps leave two prompt tokens to compute)
+    assert written1 - 1 <= redis2 <= written1 and hits2 == 16 * redis2
     assert second == first
 

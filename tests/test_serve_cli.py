@@ -338,14 +338,16 @@ def test_kv_dtype_other_than_the_models_exits_2(tmp_path):
     assert len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("flags, int8", [([], None), (["--native-decode"], False),
+@pytest.mark.parametrize("flags, int8", [([], True), (["--native-decode"], True),
                                          (["--int8-activations"], True),
+                                         (["--no-int8-activations"], None),
+                                         (["--native-decode", "--no-int8-activations"], False),
                                          (["--no-native-decode"], None)])
 def test_decode_flags_reach_the_engine(tmp_path, monkeypatch, flags, int8):
-    """A GGUF import is a graph the engine can decode itself: by default
-    onnxruntime's graph decodes its float32 activations, --native-decode makes
-    the engine's step do it, --int8-activations makes its step round
-    activations to int8, and --no-native-decode keeps the graph."""
+    """A GGUF import is a graph the engine can decode itself: by default its
+    own step does, with int8 activations; --no-int8-activations leaves float32
+    ones to onnxruntime's graph, --native-decode with it makes the engine's
+    step decode them, and --no-native-decode keeps the graph."""
     from test_gguf_import import write_gguf
 
     from pagedkv_np.onnxruntime.native import NativeDecode

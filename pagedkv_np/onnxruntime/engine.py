@@ -99,11 +99,21 @@ def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool) -
     return head
 
 
+def _from_gguf(model_folder: Any) -> bool:
+    """Whether ``model_folder`` was imported from a GGUF file."""
+    config = getattr(model_folder, "config", None) or {}
+    imported = config.get("pagedkv_np")
+    return isinstance(imported, dict) and str(imported.get("source", "")).lower().endswith(
+        ".gguf")
+
+
 def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, family: str,
                    providers: list | None, threads: int | None,
-                   int8: bool | None) -> NativeDecode | None:
+                   int8: bool | None, gguf: bool = False) -> NativeDecode | None:
     """The engine's own decode step where the graph allows it and ``wanted``
-    is not False; True where it cannot be is a ConfigError."""
+    is not False; True where it cannot be is a ConfigError. ``int8`` None:
+    int8 activations where the graph's products take them, or the model was
+    imported from a GGUF file (``gguf``)."""
     if wanted is not None and not isinstance(wanted, bool):
         raise DTypeError(f"Invalid native_decode: expected a bool or None, got {wanted!r}")
     why = None
@@ -122,7 +132,7 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         return None
     if why is not None:
         raise ConfigError(f"Invalid native_decode: {why}")
-    int8 = facts.int8_matmuls if int8 is None else int8
+    int8 = (facts.int8_matmuls or gguf) if int8 is None else int8
     if wanted is None and not int8:
         # float32 activations: onnxruntime's MatMulNBits beat the step's kernels
         # (SmolLM2 Q4_1, 2 threads, quiet: 65.6 against 41.3 tok/s at batch 1,
@@ -202,16 +212,24 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         graph built by :mod:`pagedkv_np.models.graph` (it carries its
         geometry) of the ``"gqa"`` family on the CPU provider. Default: where
         it can and its products take int8 activations (see
-        ``int8_activations``); with float32 ones onnxruntime's products are
-        faster, so True is for comparing the two.
+        ``int8_activations``: by default those of a GGUF import); with
+        float32 ones onnxruntime's products are faster, so True is for
+        comparing the two.
     int8_activations : bool, optional
-        The engine's decode step, and an LM head the engine runs, multiply
-        block weights by activations rounded to int8 per block (as llama.cpp
-        does): faster, not exact, still deterministic
-        (:mod:`pagedkv_np.backends.block_q8`). Default: where the graph's own
-        block products do so too (every MatMulNBits node at
-        ``accuracy_level=4``, as a GGUF imported with ``accuracy_level=4``)
-        and the engine's decode step runs.
+        The engine's decode step multiplies block weights by activations
+        rounded to int8 per block (as llama.cpp does): faster, not exact,
+        deterministic (:mod:`pagedkv_np.backends.block_q8`; a request's
+        tokens do not depend on its batch, chunks or cached prefix). True:
+        an LM head the engine runs too. Default (None): where the engine's
+        decode step runs on a model imported from a GGUF file (the head in
+        float32), or the graph's own block products take int8 activations
+        (every MatMulNBits node at ``accuracy_level=4``; the head too).
+        SmolLM2-135M Q4_1 on 58 windows of 512 tokens of the license texts
+        (``scripts/bench_accuracy.py decode``): NLL 2.72845 with float32
+        activations, 2.73113 (+0.098%) by default, 2.73263 (+0.153%) with
+        True; llama.cpp's ``llama-perplexity`` on the same file and text
+        2.73114 (on the weights in float32, a file written for the check:
+        2.72845, as here). False: float32 throughout.
     text : TextCodec, optional
         The tokenizer and chat template for the text methods
         (:class:`~pagedkv_np.onnxruntime.textgen.TextGenerationMixin`).
@@ -273,7 +291,8 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         weights = (weights_digest(source, proto, disk_cache)
                    if disk_cache is not None or redis_url is not None else None)
         self.native = native = _native_decode(native_decode, source, proto, facts, family,
-                                              providers, self.threads.threads, int8_activations)
+                                              providers, self.threads.threads, int8_activations,
+                                              _from_gguf(model_folder))
         del proto
         options = self.threads.session_options(session_options)
         self.session = make_session(source, options, providers)
@@ -281,8 +300,12 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                            family=family, num_kv_heads=num_kv_heads, head_dim=head_dim)
         head = None
         if facts.head_file is not None:
+            # int8 activations for the head too only where asked (or the graph's
+            # products take them): a float32 head keeps the likelihood of int8
+            # steps at llama.cpp's (see int8_activations)
             head = _engine_head(source, facts.head_file, self.threads.threads,
-                                native.int8 if native is not None else False)
+                                native is not None and native.int8
+                                and (int8_activations is True or facts.int8_matmuls))
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
             if native is not None:
                 native.share_embedding(head.weight)      # a tied head: one copy of its blocks

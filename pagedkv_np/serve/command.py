@@ -109,19 +109,27 @@ def _parser() -> argparse.ArgumentParser:
     spin.add_argument("--no-spin", dest="spin", action="store_false", default=None,
                       help="idle onnxruntime threads sleep at once (default: they spin for "
                            "at most 50 us)")
-    p.add_argument("--int8-activations", action="store_true",
-                   help="faster decode with activations rounded to int8 per block, as "
-                        "llama.cpp does; not exact, deterministic (needs the engine's own "
-                        "decode step; default: off)")
+    acts = p.add_mutually_exclusive_group()
+    acts.add_argument("--int8-activations", action="store_true", default=None,
+                      help="activations rounded to int8 per block in the decode step, as "
+                           "llama.cpp does, the LM head's too (fastest; not exact, "
+                           "deterministic; needs the engine's own decode step). By default, for "
+                           "a GGUF file, the decode step's products take int8 activations, "
+                           "the head float32 ones (its likelihood stays at llama.cpp's)")
+    acts.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
+                      default=None, help="float32 activations throughout (the graph "
+                                         "decodes, on the file's exact weights; default: "
+                                         "off)")
     step = p.add_mutually_exclusive_group()
     step.add_argument("--native-decode", action="store_true",
-                      help="decode float32 activations through the engine's own kernels too, "
-                           "for comparison (default: its own decode step only with int8 "
-                           "activations; onnxruntime's products are faster with float32 "
-                           "ones)")
+                      help="decode through the engine's own kernels whatever the "
+                           "activations (with --no-int8-activations: float32 ones, for "
+                           "comparison; by default the graph decodes those, its products "
+                           "are faster with them)")
     step.add_argument("--no-native-decode", action="store_true",
-                      help="decode through the onnxruntime graph, for comparison (default: "
-                           "the engine's own decode step where it runs int8 activations)")
+                      help="decode through the onnxruntime graph in float32, for "
+                           "comparison (default: the engine's own decode step with int8 "
+                           "activations for a GGUF file)")
     p.add_argument("--graceful-timeout", type=int, default=30,
                    help="seconds running requests may finish after SIGTERM (default 30)")
     p.add_argument("--max-body-size", type=int, default=4 * 1024 * 1024, metavar="BYTES",
