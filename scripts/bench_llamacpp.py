@@ -38,12 +38,13 @@ medians over rounds, with pagedkv's figure over llama.cpp's as a ratio
 the two are compared text for text (llama.cpp quantizes activations to 8
 bits in its dot products, so they may part after a while).
 
-pagedkv decodes float32 activations through the onnxruntime graph by
-default; ``--int8`` decodes through the engine's own kernels with
-activations rounded to int8 per block as llama.cpp does
+pagedkv decodes a GGUF file through the engine's own kernels with
+activations rounded to int8 per block as llama.cpp does, the LM head in
+float32, by default; ``--int8`` rounds the head's activations too
 (``int8_activations=True``, ``pagedkv serve --int8-activations``), and
-``--graph-decode`` keeps the graph (``native_decode=False``,
-``--no-native-decode``). The header line names the configuration that ran.
+``--graph-decode`` decodes float32 activations through the onnxruntime
+graph (``native_decode=False``, ``--no-native-decode``). The header line
+names the configuration that ran.
 
 ``--quick`` needs no llama.cpp: the peer is a plain onnxruntime loop (one
 request at a time, no cache, the same model file) behind a minimal
@@ -210,8 +211,9 @@ def serve_flags(args) -> list[str]:
 
 def describe_decode(args) -> str:
     if args.int8:
-        return "native, int8 activations"
-    return "onnxruntime graph" if args.graph_decode else "default (onnxruntime graph)"
+        return "native, int8 activations, the head's too"
+    return ("onnxruntime graph, float32" if args.graph_decode
+            else "default (native, int8 activations, the head float32)")
 
 
 def start_server(kind: str, args, gguf: str) -> Server:
@@ -538,11 +540,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     decode = parser.add_mutually_exclusive_group()
     decode.add_argument("--int8", action="store_true",
-                        help="pagedkv's decode step rounds activations to int8 per block, as "
-                             "llama.cpp does (--int8-activations; not exact)")
+                        help="pagedkv's decode step rounds the LM head's activations to int8 "
+                             "too (--int8-activations; not exact)")
     decode.add_argument("--graph-decode", action="store_true",
-                        help="pagedkv decodes through the onnxruntime graph, not its own "
-                             "kernels (--no-native-decode), for comparison")
+                        help="pagedkv decodes float32 activations through the onnxruntime "
+                             "graph, not its own kernels (--no-native-decode), for comparison")
     parser.add_argument("--json", help="also write every round's figures here")
     parser.add_argument("--plain-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tg-child", help=argparse.SUPPRESS)
