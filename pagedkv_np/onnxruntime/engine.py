@@ -132,6 +132,7 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         return None
     if why is not None:
         raise ConfigError(f"Invalid native_decode: {why}")
+    by_default = int8 is None and not facts.int8_matmuls and gguf
     int8 = (facts.int8_matmuls or gguf) if int8 is None else int8
     if wanted is None and not int8:
         # float32 activations: onnxruntime's MatMulNBits beat the step's kernels
@@ -140,6 +141,11 @@ def _native_decode(wanted: bool | None, source: Any, proto: Any, facts: Any, fam
         return None
     native = NativeDecode.from_source(source, proto, geometry_from_json(facts.geometry),
                                       threads, with_head=facts.head_file is None, int8=int8)
+    if wanted is None and by_default and native.float_linears():
+        # the GGUF default, but weights the import made float32 (5-8-bit types at
+        # accuracy_level 0): onnxruntime's graph multiplies those faster (Gemma 3
+        # 270M Q4_K_M: 27.8 tok/s against 9.5; scripts/bench_decode.py)
+        return None
     native.warmup()
     return native
 

@@ -269,8 +269,7 @@ class NativeDecode:
         self._buffers: dict[int, dict[str, np.ndarray]] = {}
         #: decode steps computed so far
         self.steps = 0
-        self._threads = self.step_threads.counts[0]
-        self._forced = 0           # a thread count that overrides the pick (warmup)
+        self._threads, self._forced = self.step_threads.counts[0], 0   # _forced: warmup's
         self.activation = ops.ACT_SILU if c.activation == "silu" else ops.ACT_GELU_TANH
 
     @classmethod
@@ -300,6 +299,11 @@ class NativeDecode:
             return False
         self.embed = weight
         return True
+
+    def float_linears(self) -> int:
+        """How many of the layers' products have a float32 weight, not blocks."""
+        return sum(not isinstance(lin.weight, BlockWeight) for layer in self.layers for lin
+                   in (*layer.qkv, layer.wo, *layer.gate_up, layer.down))
 
     def threads_now(self) -> int:
         """The Numba thread count of the latest step (:attr:`step_threads`'s
