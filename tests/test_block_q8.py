@@ -293,6 +293,58 @@ def test_avx2_and_portable_agree_bitwise(bits, block_size, zero, offsets):
             np.testing.assert_array_equal(fast, slow)
 
 
+_NO_VNNI_SCRIPT = """
+import sys
+import numpy as np
+from pagedkv_np.backends import block_q8_ir
+from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_q8 import q8_matmul
+data = np.load(sys.argv[1])
+outs = {}
+for i in range(int(data["count"])):
+    offs = data[f"offsets{i}"]
+    w = BlockWeight(int(data[f"bits{i}"]), int(data[f"bs{i}"]), 160, 41, data[f"codes{i}"],
+                    data[f"zeros{i}"], data[f"scales{i}"], offs if offs.size else None)
+    outs[f"out{i}"] = q8_matmul(data["x"], w)
+np.savez(sys.argv[2], **outs)
+print("vnni" if block_q8_ir.HAS_VNNI else "no vnni")
+"""
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="the AVX2 kernel needs an AVX2 host")
+def test_vnni_and_avx2_byte_dots_agree_bitwise(tmp_path):
+    """The kernels compiled for this CPU against the same kernels compiled
+    without VNNI (``vpdpbusd``), in a process told that the CPU lacks it."""
+    import os
+    import subprocess
+    import sys
+
+    from llvmlite import binding as llvm_binding
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 160)).astype(np.float32)
+    arrays, want = {"x": x, "count": np.int64(len(CASES))}, []
+    for i, (bits, block_size, zero, offsets) in enumerate(CASES):
+        w = _weight(rng, bits, block_size, 160, 41, zero, offsets)
+        arrays.update({f"bits{i}": np.int64(bits), f"bs{i}": np.int64(block_size),
+                       f"codes{i}": w.codes, f"zeros{i}": w.zeros, f"scales{i}": w.scales,
+                       f"offsets{i}": w.offsets if offsets else np.zeros(0, np.float32)})
+        want.append(q8_matmul(x, w))
+    np.savez(tmp_path / "in.npz", **arrays)
+    features = llvm_binding.get_host_cpu_features()
+    features["avx512vnni"] = features["avxvnni"] = False
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features.flatten(),
+               PAGEDKV_NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _NO_VNNI_SCRIPT, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "no vnni"
+    got = np.load(tmp_path / "out.npz")
+    for i, case in enumerate(CASES):
+        np.testing.assert_array_equal(got[f"out{i}"], want[i], err_msg=str(case))
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), blocks=st.integers(1, 20),
        bits=st.sampled_from([4, 8]), block_size=st.sampled_from([16, 32]),

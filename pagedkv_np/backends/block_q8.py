@@ -5,8 +5,9 @@
 ``w`` a :class:`~pagedkv_np.backends.block_gemv.BlockWeight`: codes, zero
 points, scales, optional offsets, ``w[k, n] = (code - zero) * scale +
 offset``), but first rounds each row's inputs to int8 per weight block, so the
-block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, as llama.cpp
-does for q8 activations x q4 weights). It is for decoding (M = 1): on one
+block dot is an exact integer dot (AVX2 ``maddubs``/``pmaddwd``, or VNNI's
+``vpdpbusd`` where the CPU has it, as llama.cpp does for q8 activations x q4
+weights). It is for decoding (M = 1): on one
 thread 2.8-3.1x the float32 kernel's rate on SmolLM2's body shapes and about
 onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 1.0x
 to 1.8x its rate), and unlike the latter deterministic: row ``m``'s outputs

@@ -35,6 +35,12 @@ term) but for signed 8-bit codes:
   i32: at most 2 * 255 * 127): lane ``l`` holds positions ``2l, 2l + 1``
   (and, for 32 inputs, ``16 + 2l, 17 + 2l``).
 
+Where the CPU Numba compiles for has the VNNI byte dot (:data:`HAS_VNNI`:
+AVX-VNNI, or AVX-512 VNNI with 256-bit vectors), ``vpdpbusd`` adds the
+products of 4 unsigned-by-signed bytes into each i32 lane at once, replacing
+each ``maddubs``, the ``i16`` addition of a pair's two and ``pmaddwd`` with
+ones: the same exact lane sums, since none of those saturates.
+
 Scales and offsets are float32 or float16 bit patterns (``i16`` loads
 bitcast to ``half`` and widened by ``fpext``: exact, so the same float32
 values). Positions are those of the block's inputs in the quantized row (4 bits: even
@@ -43,12 +49,28 @@ inputs, then odd; 8 bits: as they come).
 
 from __future__ import annotations
 
+from llvmlite import binding as llvm_binding
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["q8_span_intrinsic"]
+__all__ = ["q8_span_intrinsic", "target_features", "HAS_VNNI"]
+
+
+def target_features() -> frozenset[str]:
+    """The CPU features Numba compiles for: those ``$NUMBA_CPU_FEATURES``
+    enables when it is set, else the host's."""
+    from numba.core import config
+
+    wanted = config.CPU_FEATURES
+    if wanted is not None:
+        return frozenset(f[1:] for f in wanted.split(",") if f.startswith("+"))
+    return frozenset(k for k, on in llvm_binding.get_host_cpu_features().items() if on)
+
+
+#: whether the kernels use ``vpdpbusd`` (see the module docstring)
+HAS_VNNI = "avxvnni" in target_features() or {"avx512vnni", "avx512vl"} <= target_features()
 
 _F32 = ir.FloatType()
 _F16 = ir.HalfType()
@@ -154,6 +176,23 @@ def _loop(builder, name, start, stop, carried):
     return i, phis, finish
 
 
+def _byte_dots(builder, pairs):
+    """Per i32 lane ``l``, the exact sum over bytes ``4l .. 4l + 3`` of ``u *
+    s`` for every ``(u, s)`` of ``pairs`` (32 unsigned and 32 signed bytes
+    each; the caller guarantees that no i16 sum of ``maddubs`` saturates)."""
+    if HAS_VNNI:
+        total = ir.Constant(_V8I, [0] * _LANES)
+        for u, s in pairs:
+            total = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I,
+                          [total, builder.bitcast(u, _V8I), builder.bitcast(s, _V8I)])
+        return total
+    words = None
+    for u, s in pairs:
+        w = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [u, s])
+        words = w if words is None else builder.add(words, w)
+    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [words, ir.Constant(_V16W, [1] * 16)])
+
+
 def _codes(builder, bits, block_size, codes, at_code):
     """The block's codes in position order: ``("u8", v32)`` for 4 bits, block
     32; otherwise ``("i16", [v16, ...])``, 16 positions each."""
@@ -191,14 +230,9 @@ def _lane_sums(builder, codes, q, at_q):
         signed_q = _call(builder, "llvm.x86.avx2.psign.b", _V32B,
                          [_load(builder, q, at_q, _V32B), w])
         # |w| <= 128, |q| <= 127: a pair at most 2 * 128 * 127 = 32512, no saturation
-        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [magnitude, signed_q])
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
-                     [pairs, ir.Constant(_V16W, [1] * 16)])
+        return _byte_dots(builder, [(magnitude, signed_q)])
     if codes[0] == "u8":
-        qv = _load(builder, q, at_q, _V32B)
-        pairs = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [codes[1], qv])
-        ones = ir.Constant(_V16W, [1] * 16)
-        return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [pairs, ones])
+        return _byte_dots(builder, [(codes[1], _load(builder, q, at_q, _V32B))])
     total = None
     for h, c16 in enumerate(codes[1]):
         qv = _load(builder, q, builder.add(at_q, ir.Constant(at_q.type, 16 * h)), _V16B)
@@ -250,16 +284,13 @@ def _paired_dots(builder, codes, scales, rows, num_pairs):
     at_scale = builder.mul(p, ir.Constant(intp, 2))
     scale = _floats(builder, scales, at_scale, 2)
     at_q = builder.mul(p, ir.Constant(intp, 64))
-    ones = ir.Constant(_V16W, [1] * 16)
     spread = ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1])
     new = []
     for acc, (q, d, _, _) in zip(accs, rows):
-        evens = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W,
-                      [lo, _load(builder, q, at_q, _V32B)])
-        odds = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W,
-                     [hi, _load(builder, q, builder.add(at_q, ir.Constant(intp, 32)), _V32B)])
-        lanes = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
-                      [builder.add(evens, odds), ones])     # i16: at most 4 * 15 * 127
+        evens = _load(builder, q, at_q, _V32B)
+        odds = _load(builder, q, builder.add(at_q, ir.Constant(intp, 32)), _V32B)
+        # i16 sums of the two: at most 4 * 15 * 127
+        lanes = _byte_dots(builder, [(lo, evens), (hi, odds)])
         d2 = builder.load(builder.bitcast(builder.gep(d, [at_scale]), v2f.as_pointer()),
                           align=4)
         sd = builder.shuffle_vector(builder.fmul(scale, d2), ir.Constant(v2f, ir.Undefined),
