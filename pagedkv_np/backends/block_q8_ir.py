@@ -63,7 +63,7 @@ def target_features() -> frozenset[str]:
     enables when it is set, else the host's."""
     from numba.core import config
 
-    wanted = config.CPU_FEATURES
+    wanted = config.CPU_FEATURES  # type: ignore[attr-defined]  # set at run time
     if wanted is not None:
         return frozenset(f[1:] for f in wanted.split(",") if f.startswith("+"))
     return frozenset(k for k, on in llvm_binding.get_host_cpu_features().items() if on)
