@@ -226,7 +226,8 @@ def start_server(kind: str, args, gguf: str) -> Server:
     if kind == "llama.cpp":
         return Server([str(args.bins / "llama-server"), "-m", gguf, "--host", "127.0.0.1",
                        "--port", str(port), "-t", str(args.threads), "-np", str(args.parallel),
-                       "-kvu", "-c", str(args.context)], port)
+                       "-kvu", "-c", str(args.context),
+                       *(["--no-repack"] if args.no_repack else [])], port)
     return Server([sys.executable, __file__, "--plain-server", str(port),
                    "--threads", str(args.threads)], port)
 
@@ -484,7 +485,8 @@ def _depth_prompt(codec, depth: int):
 
 def tg_llama(args, depth: int, gguf: str) -> float:
     out = subprocess.run([str(args.bins / "llama-bench"), "-m", gguf, "-t", str(args.threads),
-                          "-p", "0", "-n", "64", "-d", str(depth), "-r", "1", "-o", "json"],
+                          "-p", "0", "-n", "64", "-d", str(depth), "-r", "1", "-o", "json",
+                          "--repack", "0" if args.no_repack else "1"],
                          capture_output=True, text=True, check=True)
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
@@ -545,6 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     decode.add_argument("--graph-decode", action="store_true",
                         help="pagedkv decodes float32 activations through the onnxruntime "
                              "graph, not its own kernels (--no-native-decode), for comparison")
+    parser.add_argument("--no-repack", action="store_true",
+                        help="llama.cpp keeps the file's weight layout (--no-repack): its "
+                             "repacked AMX path crashes on prompts on some Xeons")
     parser.add_argument("--json", help="also write every round's figures here")
     parser.add_argument("--plain-server", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tg-child", help=argparse.SUPPRESS)

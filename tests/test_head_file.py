@@ -66,6 +66,23 @@ def test_a_row_gets_the_same_logits_alone_and_in_a_batch(tmp_path):
         head(x[:, :100])
 
 
+@pytest.mark.parametrize("kind", ["q8_0", "q6_k"])
+def test_an_int8_head_multiplies_as_its_kernel_alone_and_in_a_batch(tmp_path, kind):
+    """Q8_0 packs in tiles of 16 outputs; Q6_K (blocks of 16) takes the lane kernel."""
+    from pagedkv_np.backends.block_gemv import BlockWeight
+    from pagedkv_np.backends.block_q8 import q8_matmul
+    from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
+
+    parts = _blocks(kind, rows=200).matmul_nbits()
+    save_head(tmp_path / HEAD_FILE, parts)
+    head = BlockHead(tmp_path / HEAD_FILE, threads=2, int8=True)
+    x = np.random.default_rng(2).standard_normal((5, 256)).astype(np.float32)
+    kernel = q8_tiled_matmul if kind == "q8_0" else q8_matmul
+    want = kernel(x, BlockWeight.from_nbits(parts))
+    np.testing.assert_array_equal(head(x), want)
+    np.testing.assert_array_equal(head(x[3:4])[0], want[3])
+
+
 def test_a_head_that_follows_a_thread_count_asks_it_each_call_same_logits(tmp_path):
     import numba
 

@@ -334,7 +334,7 @@ def test_a_linear_matches_the_checked_product_and_refuses_wrong_buffers(int8):
     import numba
 
     from pagedkv_np.backends.block_gemv import block_matmul
-    from pagedkv_np.backends.block_q8 import q8_matmul
+    from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
     from pagedkv_np.errors import ShapeError
     from pagedkv_np.onnxruntime.native import NativeLinear
 
@@ -343,7 +343,7 @@ def test_a_linear_matches_the_checked_product_and_refuses_wrong_buffers(int8):
     weight = native.layers[0].down.weight
     linear = NativeLinear(weight, int8)
     x = np.random.default_rng(3).standard_normal((3, linear.in_features)).astype(np.float32)
-    want = (q8_matmul if int8 else block_matmul)(x, weight)
+    want = (q8_tiled_matmul if int8 else block_matmul)(x, weight)   # 4 bits, block 32: tiles
     for threads in range(1, numba.get_num_threads() + 1):   # same bits for any count
         out = np.full((3, linear.out_features), np.nan, np.float32)
         np.testing.assert_array_equal(linear(x, out, threads), want)

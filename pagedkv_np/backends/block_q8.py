@@ -384,7 +384,7 @@ def _as_halves(a: np.ndarray) -> np.ndarray | None:
     return np.ascontiguousarray(half).view(np.uint16)
 
 
-def _f32(value):
+def float32_of(value):
     """``value`` as float32: a float32 as it is, a uint16 as the float16 whose
     bits it holds (exactly)."""
     if isinstance(value, np.uint16):
@@ -392,8 +392,8 @@ def _f32(value):
     return np.float32(value)
 
 
-@overload(_f32)
-def _f32_jit(value):
+@overload(float32_of)
+def _float32_of_jit(value):
     if isinstance(value, types.Float):
         return lambda value: np.float32(value)
     if value == types.uint16:
@@ -620,10 +620,10 @@ def _block_term(zeros, scales, offsets, dq, sums, signed, n, m, b):
     """``offset * s - (scale * zero) * dq`` of block ``b``, ``offset * s`` when
     ``signed`` (see the module docstring)."""
     if signed:
-        return _f32(offsets[n, b]) * sums[m, b]
-    minus = (_f32(scales[n, b]) * np.float32(zeros[n, b])) * dq[m, b]
+        return float32_of(offsets[n, b]) * sums[m, b]
+    minus = (float32_of(scales[n, b]) * np.float32(zeros[n, b])) * dq[m, b]
     if offsets.shape[1] != 0:
-        return _f32(offsets[n, b]) * sums[m, b] - minus
+        return float32_of(offsets[n, b]) * sums[m, b] - minus
     return -minus
 
 
@@ -661,7 +661,7 @@ def _chunk_portable(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_s
                             code -= np.int64(zeros[n, b])
                     lanes[_lane(bits, block_size, paired, signed, i)] += code * np.int64(
                         q[m, _q_index(bits, block_size, num_blocks, b, i)])
-                sd = _f32(scales[n, b]) * d[m, b]
+                sd = float32_of(scales[n, b]) * d[m, b]
                 if paired:               # lanes 4 (b % 2) .. 4 (b % 2) + 3
                     for lane in range(4):
                         at = 4 * (b % 2) + lane

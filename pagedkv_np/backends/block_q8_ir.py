@@ -87,7 +87,7 @@ _V32B = ir.VectorType(_I8, 32)
 _ZERO8 = ir.Constant(_V8F, [0.0] * _LANES)
 
 
-def _splat(builder, value, vty):
+def splat(builder, value, vty):
     """``value`` in every lane of ``vty``."""
     undef = ir.Constant(vty, ir.Undefined)
     one = builder.insert_element(undef, value, ir.Constant(_I32, 0))
@@ -95,12 +95,12 @@ def _splat(builder, value, vty):
                                                           [0] * vty.count))
 
 
-def _call(builder, name, ret, args):
+def call_intrinsic(builder, name, ret, args):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
 
 
-def _load(builder, base, at, vty):
+def load_vector(builder, base, at, vty):
     ptr = builder.bitcast(builder.gep(base, [at]), vty.as_pointer())
     return builder.load(ptr, align=1)
 
@@ -140,7 +140,7 @@ def _tree(builder, vec):
     return builder.extract_element(vec, ir.Constant(_I32, 0))
 
 
-def _loop(builder, name, start, stop, carried):
+def counted_loop(builder, name, start, stop, carried):
     """Open a counted loop ``start <= i < stop`` (possibly empty): returns
     ``(i, phis, finish)``; ``finish(new_values)`` closes the body and returns
     the carried values after the loop (``carried``: their initial values)."""
@@ -183,14 +183,15 @@ def _byte_dots(builder, pairs):
     if HAS_VNNI:
         total = ir.Constant(_V8I, [0] * _LANES)
         for u, s in pairs:
-            total = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I,
+            total = call_intrinsic(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I,
                           [total, builder.bitcast(u, _V8I), builder.bitcast(s, _V8I)])
         return total
     words = None
     for u, s in pairs:
-        w = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [u, s])
+        w = call_intrinsic(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16W, [u, s])
         words = w if words is None else builder.add(words, w)
-    return _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [words, ir.Constant(_V16W, [1] * 16)])
+    return call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", _V8I,
+                          [words, ir.Constant(_V16W, [1] * 16)])
 
 
 def _codes(builder, bits, block_size, codes, at_code):
@@ -199,7 +200,7 @@ def _codes(builder, bits, block_size, codes, at_code):
     if bits == 4:
         half = block_size // 2
         vty = ir.VectorType(_I8, half)
-        c = _load(builder, codes, at_code, vty)
+        c = load_vector(builder, codes, at_code, vty)
         mask = ir.Constant(vty, [15] * half)
         lo = builder.and_(c, mask)
         hi = builder.and_(builder.lshr(c, ir.Constant(vty, [4] * half)), mask)
@@ -209,7 +210,8 @@ def _codes(builder, bits, block_size, codes, at_code):
             return "u8", both
         parts = [both]
     else:
-        parts = [_load(builder, codes, builder.add(at_code, ir.Constant(at_code.type, 16 * h)),
+        parts = [load_vector(builder, codes,
+                             builder.add(at_code, ir.Constant(at_code.type, 16 * h)),
                        _V16B) for h in range(block_size // 16)]
     return "i16", [builder.zext(p, _V16W) for p in parts]
 
@@ -218,8 +220,8 @@ def _signed_codes(builder, codes, at_code, zero):
     """8 bits, block 32, zero point folded: ``("s8", w, |w|)``, ``w = code -
     zero`` as int8 (exact: the caller checked that it fits), ``|w|`` read as
     unsigned (128 for -128)."""
-    w = builder.sub(_load(builder, codes, at_code, _V32B), _splat(builder, zero, _V32B))
-    return "s8", w, _call(builder, "llvm.x86.avx2.psign.b", _V32B, [w, w])
+    w = builder.sub(load_vector(builder, codes, at_code, _V32B), splat(builder, zero, _V32B))
+    return "s8", w, call_intrinsic(builder, "llvm.x86.avx2.psign.b", _V32B, [w, w])
 
 
 def _lane_sums(builder, codes, q, at_q):
@@ -227,16 +229,16 @@ def _lane_sums(builder, codes, q, at_q):
     of ``(code - zero) * q``) for one row."""
     if codes[0] == "s8":              # sign(q, w) * |w| = q * w
         _, w, magnitude = codes
-        signed_q = _call(builder, "llvm.x86.avx2.psign.b", _V32B,
-                         [_load(builder, q, at_q, _V32B), w])
+        signed_q = call_intrinsic(builder, "llvm.x86.avx2.psign.b", _V32B,
+                         [load_vector(builder, q, at_q, _V32B), w])
         # |w| <= 128, |q| <= 127: a pair at most 2 * 128 * 127 = 32512, no saturation
         return _byte_dots(builder, [(magnitude, signed_q)])
     if codes[0] == "u8":
-        return _byte_dots(builder, [(codes[1], _load(builder, q, at_q, _V32B))])
+        return _byte_dots(builder, [(codes[1], load_vector(builder, q, at_q, _V32B))])
     total = None
     for h, c16 in enumerate(codes[1]):
-        qv = _load(builder, q, builder.add(at_q, ir.Constant(at_q.type, 16 * h)), _V16B)
-        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [c16, builder.sext(qv, _V16W)])
+        qv = load_vector(builder, q, builder.add(at_q, ir.Constant(at_q.type, 16 * h)), _V16B)
+        p = call_intrinsic(builder, "llvm.x86.avx2.pmadd.wd", _V8I, [c16, builder.sext(qv, _V16W)])
         total = p if total is None else builder.add(total, p)
     return total
 
@@ -254,7 +256,7 @@ def _block_term(builder, offsets_on, zeros, scales, offsets, rows, at, vty, sign
         offset = load(offsets)
         return [builder.fmul(offset, load(sums)) for _, _, _, sums in rows]
     if count is not None:
-        zero = builder.uitofp(builder.zext(_load(builder, zeros, at, _V8B), _V8I), vty)
+        zero = builder.uitofp(builder.zext(load_vector(builder, zeros, at, _V8B), _V8I), vty)
     else:
         zero = builder.uitofp(builder.load(builder.gep(zeros, [at])), vty)
     zs = builder.fmul(load(scales), zero)
@@ -274,9 +276,9 @@ def _paired_dots(builder, codes, scales, rows, num_pairs):
     quantized row holds a pair as its evens, then its odds); the rows' 8-lane
     accumulators after the pairs."""
     intp = num_pairs.type
-    p, accs, finish = _loop(builder, "q8_pairs", ir.Constant(intp, 0), num_pairs,
+    p, accs, finish = counted_loop(builder, "q8_pairs", ir.Constant(intp, 0), num_pairs,
                             [_ZERO8 for _ in rows])
-    c = _load(builder, codes, builder.mul(p, ir.Constant(intp, 32)), _V32B)
+    c = load_vector(builder, codes, builder.mul(p, ir.Constant(intp, 32)), _V32B)
     mask = ir.Constant(_V32B, [15] * 32)
     lo = builder.and_(c, mask)
     hi = builder.and_(builder.lshr(c, ir.Constant(_V32B, [4] * 32)), mask)
@@ -287,8 +289,8 @@ def _paired_dots(builder, codes, scales, rows, num_pairs):
     spread = ir.Constant(_V8I, [0, 0, 0, 0, 1, 1, 1, 1])
     new = []
     for acc, (q, d, _, _) in zip(accs, rows):
-        evens = _load(builder, q, at_q, _V32B)
-        odds = _load(builder, q, builder.add(at_q, ir.Constant(intp, 32)), _V32B)
+        evens = load_vector(builder, q, at_q, _V32B)
+        odds = load_vector(builder, q, builder.add(at_q, ir.Constant(intp, 32)), _V32B)
         # i16 sums of the two: at most 4 * 15 * 127
         lanes = _byte_dots(builder, [(lo, evens), (hi, odds)])
         d2 = builder.load(builder.bitcast(builder.gep(d, [at_scale]), v2f.as_pointer()),
@@ -308,12 +310,12 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
     lanes = tails = None
     if offsets_on or not signed:         # signed without offsets: no block terms
         groups = builder.sdiv(num_blocks, eight)
-        g, phis, finish = _loop(builder, "q8_terms", ir.Constant(intp, 0), groups,
+        g, phis, finish = counted_loop(builder, "q8_terms", ir.Constant(intp, 0), groups,
                                 [_ZERO8 for _ in rows])
         terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows,
                             builder.mul(g, eight), _V8F, signed)
         lanes = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
-        b, phis, finish = _loop(builder, "q8_tail", builder.mul(groups, eight), num_blocks,
+        b, phis, finish = counted_loop(builder, "q8_tail", builder.mul(groups, eight), num_blocks,
                                 [ir.Constant(_F32, 0.0) for _ in rows])
         terms = _block_term(builder, offsets_on, zeros, scales, offsets, rows, b, _F32, signed)
         tails = finish([builder.fadd(acc, t) for acc, t in zip(phis, terms)])
@@ -325,7 +327,7 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
                                                                        ir.Constant(intp, 2)))
         single_from = builder.mul(builder.sdiv(num_blocks, ir.Constant(intp, 2)),
                                   ir.Constant(intp, 2))
-    b, phis, finish = _loop(builder, "q8_dot", single_from, num_blocks, accs)
+    b, phis, finish = counted_loop(builder, "q8_dot", single_from, num_blocks, accs)
     scale = _floats(builder, scales, b)
     at_code = builder.mul(b, ir.Constant(intp, block_size * bits // 8))
     if signed:
@@ -337,7 +339,7 @@ def _output(builder, bits, block_size, offsets_on, codes, zeros, scales, offsets
     for acc, (q, d, _, _) in zip(phis, rows):
         p = builder.sitofp(_lane_sums(builder, c, q, at_q), _V8F)
         sd = builder.fmul(scale, builder.load(builder.gep(d, [b])))
-        new.append(builder.fadd(acc, builder.fmul(_splat(builder, sd, _V8F), p)))
+        new.append(builder.fadd(acc, builder.fmul(splat(builder, sd, _V8F), p)))
     accs = finish(new)
     if lanes is None:
         return [_tree(builder, acc) for acc in accs]
@@ -350,7 +352,7 @@ def _element(arrty):
     return _I16 if arrty.dtype == types.uint16 else _F32
 
 
-class _Rows:
+class RowPointers:
     """A 2-D array's data pointer and row stride (bytes); each row contiguous
     (the row stride may be 0: every row the same)."""
 
@@ -384,7 +386,7 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on, signed=False):
                          types.intp, types.intp, out)
 
         def codegen(context, builder, sig, args):
-            arrays = [_Rows(context, builder, ty, v)
+            arrays = [RowPointers(context, builder, ty, v)
                       for ty, v in zip(sig.args, args) if isinstance(ty, types.Array)]
             a_codes, a_zeros, a_scales, a_offsets, a_q, a_d, a_dq, a_sums, a_out = arrays
             lo_v, hi_v, m_v = args[8:11]
@@ -395,7 +397,7 @@ def q8_span_intrinsic(bits, block_size, num_rows, offsets_on, signed=False):
                 rows.append((a_q.row(builder, row, _I8), a_d.row(builder, row, _F32),
                              a_dq.row(builder, row, _F32), a_sums.row(builder, row, _F32)))
                 outs.append(a_out.row(builder, row, _F32))
-            n, _, finish = _loop(builder, "q8_span", lo_v, hi_v, [])
+            n, _, finish = counted_loop(builder, "q8_span", lo_v, hi_v, [])
             totals = _output(
                 builder, bits, block_size, offsets_on, a_codes.row(builder, n, _I8),
                 a_zeros.row(builder, n, _I8), a_scales.row(builder, n, _element(sig.args[2])),

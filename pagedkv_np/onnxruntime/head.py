@@ -24,6 +24,7 @@ import numpy as np
 
 from ..backends.block_gemv import BlockWeight, block_matmul
 from ..backends.block_q8 import q8_matmul
+from ..backends.block_q8_tiles import packs, q8_tiled_matmul
 from ..errors import ShapeError
 from ..models.head_file import HEAD_FILE, read_head
 
@@ -41,7 +42,9 @@ class BlockHead:
         Numba threads for a call (default: leave the caller's).
     int8 : bool
         Round the hidden states to int8 per block first
-        (:func:`~pagedkv_np.backends.block_q8.q8_matmul`): faster, not exact.
+        (:func:`~pagedkv_np.backends.block_q8_tiles.q8_tiled_matmul` where the
+        head packs in tiles, else :func:`~pagedkv_np.backends.block_q8.q8_matmul`):
+        faster, not exact.
 
     Attributes
     ----------
@@ -59,6 +62,8 @@ class BlockHead:
         self.threads = threads
         self.int8 = int8
         self._follow: Callable[[], int] | None = None
+        self._product = block_matmul if not int8 else \
+            q8_tiled_matmul if packs(self.weight) else q8_matmul
 
     def follow(self, threads: Callable[[], int]) -> None:
         """Run each call on ``threads()`` Numba threads instead of
@@ -91,7 +96,7 @@ class BlockHead:
                              f"got {hidden.shape}")
         rows = np.ascontiguousarray(hidden.reshape(-1, self.hidden_size), dtype=np.float32)
         with self._threads():
-            logits = (q8_matmul if self.int8 else block_matmul)(rows, self.weight)
+            logits = self._product(rows, self.weight)
         if self.softcap:
             cap = np.float32(self.softcap)
             np.tanh(logits / cap, out=logits)
@@ -108,7 +113,7 @@ class BlockHead:
         numba.set_num_threads(1)
         try:
             rows = np.zeros((1, self.hidden_size), np.float32)
-            (q8_matmul if self.int8 else block_matmul)(rows, self.weight)
+            self._product(rows, self.weight)
         finally:
             numba.set_num_threads(before)
 

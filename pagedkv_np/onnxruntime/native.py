@@ -30,11 +30,13 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
+import numba
 import numpy as np
 
 from ..backends import decode_ops as ops
 from ..backends.block_gemv import BlockWeight, block_product
 from ..backends.block_q8 import q8_operands, q8_product
+from ..backends.block_q8_tiles import packs, q8_tiled_product, q8_tiles
 from ..errors import ConfigError, DTypeError, ShapeError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
 from ..threads import StepThreads
@@ -56,8 +58,9 @@ _PARALLEL_ATTENTION = 1 << 16
 
 class NativeLinear:
     """``x @ w`` for a weight in blocks (:class:`BlockWeight`) or float32 ``[K, N]``;
-    ``int8``: blocks multiply activations rounded to int8 per block
-    (:func:`~pagedkv_np.backends.block_q8.q8_matmul`), not float32 ones.
+    ``int8``: blocks multiply activations rounded to int8 per block, from tiles
+    of 16 outputs where the weight packs (:mod:`~pagedkv_np.backends.block_q8_tiles`),
+    else as :func:`~pagedkv_np.backends.block_q8.q8_matmul` does.
 
     Calling it checks ``x`` and ``out`` against the weight's shape, then runs
     the kernel without the per-call preparation of
@@ -71,8 +74,9 @@ class NativeLinear:
             self.in_features, self.out_features = weight.in_features, weight.out_features
         else:
             self.in_features, self.out_features = weight.shape
-        self._operands = q8_operands(weight) if int8 and isinstance(weight, BlockWeight) \
-            else None
+        blocks = weight if int8 and isinstance(weight, BlockWeight) else None
+        self._tiles = q8_tiles(blocks) if blocks is not None and packs(blocks) else None
+        self._operands = q8_operands(blocks) if blocks is not None and not self._tiles else None
 
     def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> np.ndarray:
         """``out[:] = x @ w`` with ``threads`` Numba threads (default: Numba's
@@ -96,10 +100,10 @@ class NativeLinear:
         if m == 0:
             return out
         if threads is None:
-            import numba
-
             threads = numba.get_num_threads()
-        if self._operands is not None:
+        if self._tiles is not None:
+            q8_tiled_product(x, self._tiles, threads, out)
+        elif self._operands is not None:
             chunks = 0 if threads == 1 else min(self.out_features, threads * _BLOCK_CHUNKS)
             q8_product(x, self._operands, chunks, out)
         elif isinstance(self.weight, BlockWeight):
@@ -260,8 +264,6 @@ class NativeDecode:
                 head = embed if isinstance(embed, BlockWeight) else \
                     np.ascontiguousarray(embed.T)
             self.head = NativeLinear(head, int8)
-        import numba
-
         pool = int(numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
         #: the thread count of each step: ``threads`` (default Numba's) on a quiet
         #: machine, 1 when that has been faster lately (see StepThreads)
@@ -346,8 +348,6 @@ class NativeDecode:
     def _numba_threads(self, size: int) -> Iterator[None]:
         """Numba threads for a step of ``size`` rows, as :attr:`step_threads`
         picks them, restored after; the step's time is recorded."""
-        import numba
-
         before = numba.get_num_threads()
         n = self._forced or self.step_threads.pick(size)
         numba.set_num_threads(n)

@@ -1,0 +1,325 @@
+"""int8-activation products with a weight packed in tiles of 16 outputs.
+
+:func:`q8_tiled_matmul` computes ``x @ w`` as
+:func:`~pagedkv_np.backends.block_q8.q8_matmul` does (each row's inputs
+rounded to int8 per block of 32 first, by the same
+:func:`~pagedkv_np.backends.block_q8.q8_quantize_row`, in input order), for
+weights of 4 or 8 bits in blocks of 32, from a copy of the weight packed so
+that 16 outputs sit side by side (:func:`q8_tiles`, made once per weight
+object): one vector holds the 16 outputs' sums, so no output ends in a
+horizontal sum of lanes, and a group of 4 int8 inputs (one 32-bit word) is
+multiplied with 16 outputs' codes by one instruction (``vpdpbusd``, see
+:mod:`.block_q8_tiles_ir`). It is the decode step's product (M = 1) where a
+weight packs; row ``m``'s outputs depend on ``x[m]`` only, bit for bit,
+whatever ``M``, the thread count or the tile of rows it lands in.
+
+The packing, per tile ``t`` of outputs ``16t .. 16t + 15`` (the last tile
+padded with zero codes, scales and terms) and block ``b``:
+
+* ``codes[t]``: per block, 4-bit codes as 4 groups ``g`` of 64 bytes, output
+  ``j``'s 4 bytes at ``64g + 4j``, byte ``i`` holding the codes of inputs
+  ``32b + 8g + i`` (low nibble) and ``32b + 8g + 4 + i`` (high); 8-bit codes
+  as 8 groups of 64 bytes, byte ``i`` of output ``j`` the code of input
+  ``32b + 4g + i``;
+* ``scales[t]``: per block, the 16 outputs' scales;
+* ``terms[t]``: per block, the 16 outputs' ``c = offset - scale *
+  float(zero)`` (without offsets ``c = -(scale * float(zero))``), rounded to
+  float32 once at packing; none when every ``c`` is 0;
+* scales and terms are kept as float16 bit patterns where float16 holds every
+  value exactly (the GGUF types' ``d`` and ``m`` are float16), else float32.
+
+The product, per output ``n`` and row ``m``, float32 with one rounding per
+operation (no fused multiply-add), ``d``, ``dq`` the row's block scales and
+scaled sums (:func:`~pagedkv_np.backends.block_q8.q8_quantize_row`):
+
+* ``acc = 0``, ``ts = 0``; per block ``b`` in order: ``P`` the exact integer
+  sum of ``code * q`` over the block's 32 inputs (codes unsigned as stored),
+  ``acc = acc + (scale_nb * d_mb) * float(P)``, and with terms ``ts = ts +
+  c_nb * dq_mb``;
+* ``out = acc + ts`` (without terms ``out = acc``).
+
+As in :func:`~pagedkv_np.backends.block_q8.q8_matmul`, ``c * dq`` carries the
+zero point and the offset: ``sum_i (code_i - zero) scale d q_i + offset
+sum_i d q_i = scale d sum code q + (offset - scale zero) dq``; it differs from
+that function's order by the rounding of ``c`` and of the sums, within its
+error bound.
+
+One thread, M = 1, SmolLM2-135M Q4_1 shapes and its Q8_0 head, against
+:func:`~pagedkv_np.backends.block_q8.q8_matmul` in the same process: see
+``scripts/bench_block_q8.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+
+import numba
+import numpy as np
+from numba import prange
+
+from .block_gemv import BlockWeight, product_operands
+from .block_q8 import HAS_AVX2, float32_of, q8_quantize
+from .block_q8_tiles_ir import TILE, q8_tile_intrinsic
+from .jit import jit_kernel
+
+__all__ = ["TILED_CHUNKS", "Q8Tiles", "packs", "q8_tiles", "q8_tiled_matmul",
+           "q8_tiled_product", "q8_tiled_gemm", "q8_tiled_gemm_portable"]
+
+#: chunks of tiles per thread in a parallel product: 2, where 16 (as
+#: :func:`~pagedkv_np.backends.block_q8.q8_matmul`) took SmolLM2's body 15%
+#: longer on 2 threads (a chunk is a few microseconds of work here)
+TILED_CHUNKS = 2
+_NO_TERMS = np.zeros((0, 0), np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Q8Tiles:
+    """A weight packed for :func:`q8_tiled_product` (see the module docstring).
+
+    Attributes
+    ----------
+    bits, in_features, out_features : int
+    codes : ndarray, shape [tiles, K // 32 * 16 * bits], uint8
+    scales : ndarray, shape [tiles, K // 32 * 16], float32 or uint16
+    terms : ndarray, shape [tiles, K // 32 * 16], float32 or uint16, or [0, 0]
+    """
+
+    bits: int
+    in_features: int
+    out_features: int
+    codes: np.ndarray
+    scales: np.ndarray
+    terms: np.ndarray
+
+
+# id(weight) -> its tiles; an entry leaves with its weight
+_TILES_BY_ID: dict[int, Q8Tiles] = {}
+
+
+def packs(w: BlockWeight) -> bool:
+    """Whether ``w`` packs in tiles: 4 or 8 bits in blocks of 32."""
+    return w.block_size == 32 and w.bits in (4, 8)
+
+
+def q8_tiles(w: BlockWeight) -> Q8Tiles:
+    """``w`` packed in tiles, made once per weight object and remembered while
+    it lives (do not change its arrays in place after the first use).
+
+    Raises
+    ------
+    ValueError
+        ``w`` does not pack (:func:`packs`).
+    """
+    found = _TILES_BY_ID.get(id(w))
+    if found is not None:
+        return found
+    if not packs(w):
+        raise ValueError(f"Invalid weight for tiles: needs 4 or 8 bits in blocks of 32, got "
+                         f"{w.bits} bits in blocks of {w.block_size}")
+    n, k = w.out_features, w.in_features
+    blocks, tiles = k // 32, -(-n // TILE)
+    if w.bits == 4:
+        values = np.empty((n, k), np.uint8)
+        values[:, 0::2] = w.codes & 15
+        values[:, 1::2] = w.codes >> 4
+    else:
+        values = w.codes
+    padded = np.zeros((tiles * TILE, blocks, 32), np.uint8)
+    padded[:n] = values.reshape(n, blocks, 32)
+    if w.bits == 4:
+        groups = padded.reshape(tiles, TILE, blocks, 4, 2, 4)
+        packed = groups[..., 0, :] | (groups[..., 1, :] << 4)   # [t, j, b, g, i]
+        codes = packed.transpose(0, 2, 3, 1, 4)
+    else:
+        codes = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    zero = w.zeros.astype(np.float32)
+    product = w.scales * zero
+    c = (w.offsets - product) if w.offsets is not None else -product
+    tiled = Q8Tiles(w.bits, k, n, np.ascontiguousarray(codes).reshape(tiles, -1),
+                    _lanes(w.scales, tiles), _lanes(c, tiles) if c.any() else _NO_TERMS)
+    key = id(w)
+    _TILES_BY_ID[key] = tiled
+    weakref.finalize(w, _TILES_BY_ID.pop, key, None)
+    return tiled
+
+
+def _lanes(a: np.ndarray, tiles: int) -> np.ndarray:
+    """``[N, blocks]`` float32 as ``[tiles, blocks * 16]``, the 16 outputs of a
+    tile side by side per block, as float16 bit patterns where exact."""
+    n, blocks = a.shape
+    padded = np.zeros((tiles * TILE, blocks), np.float32)
+    padded[:n] = a
+    out = np.ascontiguousarray(padded.reshape(tiles, TILE, blocks).transpose(0, 2, 1))
+    with np.errstate(over="ignore"):
+        half = out.astype(np.float16)
+    if np.array_equal(half.astype(np.float32), out, equal_nan=True):
+        return half.view(np.uint16).reshape(tiles, -1)
+    return out.reshape(tiles, -1)
+
+
+def q8_tiled_matmul(x: np.ndarray, weight: BlockWeight, out: np.ndarray | None = None
+                    ) -> np.ndarray:
+    """``x @ w`` with ``x`` rounded to int8 per block, from ``w``'s tiles (see
+    the module docstring).
+
+    Parameters
+    ----------
+    x : ndarray, shape [M, K], float32
+    weight : BlockWeight
+        4 or 8 bits in blocks of 32.
+    out : ndarray, shape [M, N], float32, C-contiguous, optional
+
+    Raises
+    ------
+    DTypeError, ShapeError
+        As :func:`~pagedkv_np.backends.block_q8.q8_matmul`.
+    ValueError
+        The weight does not pack.
+    """
+    w, x, out = product_operands(x, weight, out)
+    tiles = q8_tiles(w)
+    if x.shape[0] == 0:
+        return out
+    threads = numba.get_num_threads()
+    if threads == 1:
+        q8_tiled_product(x, tiles, 1, out)
+        return out
+    before = numba.set_parallel_chunksize(1)
+    try:
+        q8_tiled_product(x, tiles, threads, out)
+    finally:
+        numba.set_parallel_chunksize(before)
+    return out
+
+
+def q8_tiled_product(x: np.ndarray, tiles: Q8Tiles, threads: int, out: np.ndarray) -> None:
+    """:func:`q8_tiled_matmul` without its checks: ``x`` C-contiguous float32
+    ``[M, K]``, ``out`` C-contiguous float32 ``[M, N]``; ``threads`` 1 runs on
+    the calling thread, more split the tiles into :data:`TILED_CHUNKS` chunks
+    per thread (best under ``numba.set_parallel_chunksize(1)``). Same bits
+    either way."""
+    chunks = 0 if threads <= 1 else min(tiles.codes.shape[0], threads * TILED_CHUNKS)
+    _matmul(x, tiles.codes, tiles.scales, tiles.terms, tiles.bits, chunks, out)
+
+
+_KERNELS = {(bits, rows, terms): q8_tile_intrinsic(bits, rows, terms)
+            for bits in (4, 8) for rows in (1, 2, 4) for terms in (False, True)}
+_k4_1, _k4_1t, _k4_2, _k4_2t, _k4_4, _k4_4t = (_KERNELS[4, r, t] for r in (1, 2, 4)
+                                                for t in (False, True))
+_k8_1, _k8_1t, _k8_2, _k8_2t, _k8_4, _k8_4t = (_KERNELS[8, r, t] for r in (1, 2, 4)
+                                                for t in (False, True))
+
+
+@jit_kernel
+def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
+    """The IR kernel of ``rows`` (1, 2 or 4) rows from ``m``, tile ``t``."""
+    if terms.shape[1] != 0:
+        if bits == 4:
+            if rows == 4:
+                return _k4_4t(codes, scales, terms, q, d, dq, t, m, scratch)
+            if rows == 2:
+                return _k4_2t(codes, scales, terms, q, d, dq, t, m, scratch)
+            return _k4_1t(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 4:
+            return _k8_4t(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 2:
+            return _k8_2t(codes, scales, terms, q, d, dq, t, m, scratch)
+        return _k8_1t(codes, scales, terms, q, d, dq, t, m, scratch)
+    if bits == 4:
+        if rows == 4:
+            return _k4_4(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 2:
+            return _k4_2(codes, scales, terms, q, d, dq, t, m, scratch)
+        return _k4_1(codes, scales, terms, q, d, dq, t, m, scratch)
+    if rows == 4:
+        return _k8_4(codes, scales, terms, q, d, dq, t, m, scratch)
+    if rows == 2:
+        return _k8_2(codes, scales, terms, q, d, dq, t, m, scratch)
+    return _k8_1(codes, scales, terms, q, d, dq, t, m, scratch)
+
+
+@jit_kernel
+def _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
+    """:func:`_tile_ir`'s values in plain loops."""
+    num_blocks = d.shape[1]
+    group = 256 if bits == 4 else 512
+    for r in range(rows):
+        for j in range(TILE):
+            acc = np.float32(0.0)
+            ts = np.float32(0.0)
+            for b in range(num_blocks):
+                p = 0
+                for i in range(32):
+                    if bits == 4:
+                        g, within = i // 8, i % 8
+                        byte = np.int64(codes[t, b * group + 64 * g + 4 * j + within % 4])
+                        code = byte >> 4 if within >= 4 else byte & 15
+                    else:
+                        code = np.int64(codes[t, b * group + 64 * (i // 4) + 4 * j + i % 4])
+                    p += code * np.int64(q[m + r, 32 * b + i])
+                at = b * TILE + j
+                acc = acc + (float32_of(scales[t, at]) * d[m + r, b]) * np.float32(p)
+                if terms.shape[1] != 0:
+                    ts = ts + float32_of(terms[t, at]) * dq[m + r, b]
+            scratch[r, j] = acc + ts if terms.shape[1] != 0 else acc
+
+
+_tile = _tile_ir if HAS_AVX2 else _tile_portable
+
+
+@jit_kernel
+def _chunk(codes, scales, terms, q, d, dq, bits, lo, hi, out, portable):
+    """Tiles ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
+    num_rows, n = out.shape
+    scratch = np.empty((4, TILE), np.float32)
+    for t in range(lo, hi):
+        width = min(TILE, n - t * TILE)
+        m = 0
+        while m < num_rows:
+            rows = 4 if num_rows - m >= 4 else (2 if num_rows - m >= 2 else 1)
+            if portable:
+                _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch)
+            else:
+                _tile(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch)
+            for r in range(rows):
+                for j in range(width):
+                    out[m + r, t * TILE + j] = scratch[r, j]
+            m += rows
+
+
+@jit_kernel(parallel=True)
+def q8_tiled_gemm(q, d, dq, codes, scales, terms, bits, chunks, out):
+    """Every output of the quantized rows (``q``, ``d``, ``dq`` from
+    :func:`~pagedkv_np.backends.block_q8.q8_quantize` with 8 bits, block 32),
+    tiles in ``chunks`` chunks; the IR kernel where the host has AVX2."""
+    tiles = codes.shape[0]
+    for c in prange(chunks):
+        _chunk(codes, scales, terms, q, d, dq, bits, c * tiles // chunks,
+               (c + 1) * tiles // chunks, out, False)
+
+
+@jit_kernel(parallel=True)
+def q8_tiled_gemm_portable(q, d, dq, codes, scales, terms, bits, chunks, out):
+    """:func:`q8_tiled_gemm` in plain Numba loops: the same bits, on any CPU."""
+    tiles = codes.shape[0]
+    for c in prange(chunks):
+        _chunk(codes, scales, terms, q, d, dq, bits, c * tiles // chunks,
+               (c + 1) * tiles // chunks, out, True)
+
+
+@jit_kernel
+def _matmul(x, codes, scales, terms, bits, chunks, out):
+    """The rows quantized into new buffers, then :func:`q8_tiled_gemm`, or the
+    tiles on the calling thread when ``chunks`` is 0."""
+    num_rows, k = x.shape
+    blocks = k // 32
+    q = np.empty((num_rows, k), np.int8)
+    d = np.empty((num_rows, blocks), np.float32)
+    dq = np.empty((num_rows, blocks), np.float32)
+    sums = np.empty((num_rows, blocks), np.float32)
+    q8_quantize(x, 8, 32, q, d, dq, sums)
+    if chunks == 0:
+        _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False)
+    else:
+        q8_tiled_gemm(q, d, dq, codes, scales, terms, bits, chunks, out)

@@ -1,0 +1,223 @@
+"""q8_tiled_matmul: int8 activations against a weight packed in tiles of 16
+outputs follow the documented order bit for bit (a NumPy emulation written
+from the module docstring) for random weights and every ggml type of 4 or 8
+bits in blocks of 32 as the GGUF importer lays it out, alone or in any batch,
+on 1 or 2 threads, on the IR kernel and the portable loops alike, with and
+without VNNI; stay close to the lane-order kernel; bad input raises a typed
+error before anything is written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import gguf
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_q8 import q8_matmul, q8_quantize
+from pagedkv_np.backends.block_q8_tiles import (packs, q8_tiled_gemm, q8_tiled_gemm_portable,
+                                                q8_tiled_matmul, q8_tiles)
+from pagedkv_np.errors import DTypeError, ShapeError
+from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized
+
+from test_block_q8 import _halved, _weight
+from test_gguf_import import random_blocks
+
+
+def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
+    """The documented order in NumPy float32 (one rounding per operation)."""
+    m, k = x.shape
+    nb = k // 32
+    q = np.empty((m, k), np.int8)
+    d, dq, sums = (np.empty((m, nb), np.float32) for _ in range(3))
+    q8_quantize(x, 8, 32, q, d, dq, sums)
+    if w.bits == 4:
+        codes = np.empty((w.out_features, k), np.int64)
+        codes[:, 0::2] = w.codes & 15
+        codes[:, 1::2] = w.codes >> 4
+    else:
+        codes = w.codes.astype(np.int64)
+    p = np.einsum("nbi,mbi->mnb", codes.reshape(-1, nb, 32),
+                  q.astype(np.int64).reshape(m, nb, 32))
+    zs = w.scales * w.zeros.astype(np.float32)
+    c = w.offsets - zs if w.offsets is not None else -zs
+    acc = np.zeros((m, w.out_features), np.float32)
+    ts = np.zeros((m, w.out_features), np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        for b in range(nb):
+            acc = acc + (w.scales[None, :, b] * d[:, None, b]) * p[:, :, b].astype(np.float32)
+            ts = ts + c[None, :, b] * dq[:, None, b]
+    return acc + ts if c.any() else acc
+
+
+CASES = [(4, 0, True), (4, 8, False), (4, "mixed", True), (8, 128, False), (8, "mixed", True),
+         (8, 0, False)]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits,zero,offsets", CASES)
+@pytest.mark.parametrize("halved", [False, True])
+def test_tiles_follow_the_order_in_any_batch(bits, zero, offsets, halved, threads):
+    rng = np.random.default_rng(bits * 7 + offsets)
+    w = _weight(rng, bits, 32, 160, 41, zero, offsets)   # 41: a last tile of 9 outputs
+    w = _halved(w) if halved else w
+    x = rng.standard_normal((6, 160)).astype(np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        got = q8_tiled_matmul(x, w)
+        alone = [q8_tiled_matmul(x[i:i + 1], w)[0] for i in range(6)]
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(got, _emulate(x, w))
+    np.testing.assert_array_equal(np.stack(alone), got)
+    # float16 lanes where exact, float32 otherwise: the same values either way
+    assert (q8_tiles(w).scales.dtype == np.uint16) == halved
+
+
+@pytest.mark.parametrize("bits,zero,offsets", CASES)
+def test_portable_loops_give_the_kernels_bits(bits, zero, offsets):
+    rng = np.random.default_rng(3)
+    w = _weight(rng, bits, 32, 96, 37, zero, offsets)
+    tiles = q8_tiles(w)
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    q = np.empty((5, 96), np.int8)
+    d, dq, sums = (np.empty((5, 3), np.float32) for _ in range(3))
+    q8_quantize(x, 8, 32, q, d, dq, sums)
+    outs = [np.full((5, 37), np.nan, np.float32) for _ in range(2)]
+    for gemm, out in zip((q8_tiled_gemm, q8_tiled_gemm_portable), outs):
+        gemm(q, d, dq, tiles.codes, tiles.scales, tiles.terms, bits, 2, out)
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(outs[0], _emulate(x, w))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), blocks=st.integers(1, 20),
+       n=st.integers(1, 70), bits=st.sampled_from([4, 8]), offsets=st.booleans(),
+       scale=st.sampled_from([1e-6, 1.0, 1e4]))
+def test_random_shapes_and_magnitudes_follow_the_order(seed, m, blocks, n, bits, offsets,
+                                                       scale):
+    rng = np.random.default_rng(seed)
+    k = blocks * 32
+    w = _weight(rng, bits, 32, k, n, "mixed", offsets)
+    x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
+    x[rng.random((m, k)) < 0.1] = 0
+    got = q8_tiled_matmul(x, w)
+    np.testing.assert_array_equal(got, _emulate(x, w))
+    # the lane-order kernel rounds the same int8 rows: only float32 roundings
+    # of the sums of |w x| apart
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(_dequantized(w))
+    assert (np.abs(got - q8_matmul(x, w)) <= 1e-5 * magnitude + 1e-30).all()
+
+
+def _dequantized(w: BlockWeight) -> np.ndarray:
+    """float64 ``[K, N]`` of ``w``."""
+    k = w.in_features
+    if w.bits == 4:
+        codes = np.empty((w.out_features, k), np.float64)
+        codes[:, 0::2] = w.codes & 15
+        codes[:, 1::2] = w.codes >> 4
+    else:
+        codes = w.codes.astype(np.float64)
+    rep = np.repeat
+    value = (codes - rep(w.zeros, 32, axis=1)) * rep(w.scales.astype(np.float64), 32, axis=1)
+    if w.offsets is not None:
+        value += rep(w.offsets.astype(np.float64), 32, axis=1)
+    return value.T
+
+
+@pytest.mark.parametrize("kind", sorted(BLOCK_KINDS))
+def test_every_ggml_type_that_packs_follows_the_order(kind):
+    qtype = gguf.GGMLQuantizationType[kind.upper()]
+    rng = np.random.default_rng(8)
+    parts = BlockQuantized(kind, random_blocks(rng, (19, 512), qtype, 1.0)).matmul_nbits()
+    w = BlockWeight.from_nbits(parts)
+    if not packs(w):
+        with pytest.raises(ValueError, match="blocks of 32"):
+            q8_tiles(w)
+        return
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    np.testing.assert_array_equal(q8_tiled_matmul(x, w), _emulate(x, w))
+
+
+def test_non_finite_input_gives_non_finite_outputs_of_its_row_only():
+    rng = np.random.default_rng(4)
+    w = _weight(rng, 4, 32, 64, 20, 8, True)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    x[1, 3] = np.nan
+    x[2, 40] = np.inf
+    got = q8_tiled_matmul(x, w)
+    assert np.isfinite(got[0]).all() and not np.isfinite(got[1:]).any()
+    np.testing.assert_array_equal(got[0], q8_tiled_matmul(x[:1], w)[0])
+
+
+def test_bad_input_raises_before_writing():
+    rng = np.random.default_rng(5)
+    w = _weight(rng, 4, 32, 64, 20, 8, True)
+    out = np.full((2, 20), 7.0, np.float32)
+    with pytest.raises(DTypeError):
+        q8_tiled_matmul(np.zeros((2, 64), np.float64), w, out)
+    with pytest.raises(ShapeError):
+        q8_tiled_matmul(np.zeros((2, 63), np.float32), w, out)
+    with pytest.raises(ShapeError):
+        q8_tiled_matmul(np.zeros((3, 64), np.float32), w, out)
+    assert (out == 7.0).all()
+    with pytest.raises(ValueError, match="blocks of 32"):
+        q8_tiled_matmul(np.zeros((1, 64), np.float32), _weight(rng, 4, 16, 64, 3, 8, False))
+    assert q8_tiled_matmul(np.empty((0, 64), np.float32), w).shape == (0, 20)
+
+
+_NO_VNNI_SCRIPT = """
+import sys
+import numpy as np
+from pagedkv_np.backends import block_q8_tiles_ir
+from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
+data = np.load(sys.argv[1])
+outs = {}
+for i in range(int(data["count"])):
+    offs = data[f"offsets{i}"]
+    w = BlockWeight(int(data[f"bits{i}"]), 32, 160, 41, data[f"codes{i}"],
+                    data[f"zeros{i}"], data[f"scales{i}"], offs if offs.size else None)
+    outs[f"out{i}"] = q8_tiled_matmul(data["x"], w)
+np.savez(sys.argv[2], **outs)
+print("vnni" if block_q8_tiles_ir.HAS_VNNI or block_q8_tiles_ir.HAS_VNNI_512 else "no vnni")
+"""
+
+
+@pytest.mark.parametrize("drop", [("avx512vnni",), ("avx512vnni", "avxvnni")])
+def test_the_kernels_without_vnni_give_the_same_bits(tmp_path, drop):
+    """Compiled in a process told that the CPU lacks 512-bit VNNI (then the
+    256-bit form where the CPU has AVX-VNNI), or every VNNI (``maddubs``)."""
+    from llvmlite import binding as llvm_binding
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((5, 160)).astype(np.float32)
+    arrays, want = {"x": x, "count": np.int64(len(CASES))}, []
+    for i, (bits, zero, offsets) in enumerate(CASES):
+        w = _weight(rng, bits, 32, 160, 41, zero, offsets)
+        arrays.update({f"bits{i}": np.int64(bits), f"codes{i}": w.codes, f"zeros{i}": w.zeros,
+                       f"scales{i}": w.scales,
+                       f"offsets{i}": w.offsets if offsets else np.zeros(0, np.float32)})
+        want.append(q8_tiled_matmul(x, w))
+    np.savez(tmp_path / "in.npz", **arrays)
+    features = llvm_binding.get_host_cpu_features()
+    for name in drop:
+        features[name] = False
+    env = dict(os.environ, NUMBA_CPU_FEATURES=features.flatten(),
+               PAGEDKV_NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", _NO_VNNI_SCRIPT, str(tmp_path / "in.npz"),
+                           str(tmp_path / "out.npz")], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == ("vnni" if len(drop) == 1 and features.get("avxvnni")
+                                   else "no vnni")
+    got = np.load(tmp_path / "out.npz")
+    for i, case in enumerate(CASES):
+        np.testing.assert_array_equal(got[f"out{i}"], want[i], err_msg=str(case))
