@@ -18,6 +18,10 @@ M = 1 and 4 (``--m``) rows of float32 activations:
 ``ort4``    onnxruntime MatMulNBits, ``accuracy_level=4`` (int8 activations;
             the answers change with the batch)
 
+``tiles``   :func:`pagedkv_np.backends.block_q8_tiles.q8_tiled_matmul` (int8
+            activations, the weight packed in tiles of 16 outputs; 4 or 8
+            bits in blocks of 32 only: the decode step's product for those)
+
 ``q8f32``   q8_matmul on the weight's own arrays (float32 scales and offsets,
             every zero point), not its compact form (``--ways q8 q8f32``; not
             by default)
@@ -30,7 +34,7 @@ intra-op without spinning, Numba). ``err`` is max |y - float64 product| / max
 weight), at the largest M.
 
 Run: ``.venv/bin/python scripts/bench_block_q8.py [--gguf PATH] [--threads 2]
-[--rounds 9] [--m 1 4] [--layer 10] [--no-head] [--ways q8 q8f32]``. Figures:
+[--rounds 9] [--m 1 4] [--layer 10] [--no-head] [--ways q8 tiles]``. Figures:
 :mod:`pagedkv_np.backends.block_q8`'s docstring.
 """
 
@@ -117,6 +121,7 @@ def bench(path: str, threads: int, rounds: int, ms: list[int], layer: int,
 
     from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
     from pagedkv_np.backends.block_q8 import q8_matmul
+    from pagedkv_np.backends.block_q8_tiles import packs, q8_tiled_matmul
     from pagedkv_np.bench.timing import round_times
     from pagedkv_np.models.graph import build_linear
 
@@ -144,8 +149,9 @@ def bench(path: str, threads: int, rounds: int, ms: list[int], layer: int,
                 "ort0": lambda: ort0.run(["y"], {"x": x[None]})[0],
                 "ort4": lambda: ort4.run(["y"], {"x": x[None]})[0],
                 "q8f32": _forced_float32(lambda: q8_matmul(x, weight, out=out)),
+                "tiles": lambda: q8_tiled_matmul(x, weight, out=out),
             }
-            ways = {key: ways[key] for key in names}
+            ways = {key: ways[key] for key in names if key != "tiles" or packs(weight)}
             errs = {}
             if m == max(ms):
                 want = x.astype(np.float64) @ w64
@@ -174,7 +180,7 @@ def main() -> None:
     ap.add_argument("--layer", type=int, default=10)
     ap.add_argument("--no-head", action="store_true", help="leave the LM head out")
     ap.add_argument("--ways", nargs="+", default=["q8", "block", "ort0", "ort4"],
-                    choices=["q8", "block", "ort0", "ort4", "q8f32"],
+                    choices=["q8", "block", "ort0", "ort4", "q8f32", "tiles"],
                     help="what to time (the first is the one the others are compared with)")
     args = ap.parse_args()
     path = args.gguf

@@ -48,12 +48,13 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
     zs = w.scales * w.zeros.astype(np.float32)
     c = w.offsets - zs if w.offsets is not None else -zs
     acc = np.zeros((m, w.out_features), np.float32)
-    ts = np.zeros((m, w.out_features), np.float32)
     with np.errstate(invalid="ignore", over="ignore"):
         for b in range(nb):
-            acc = acc + (w.scales[None, :, b] * d[:, None, b]) * p[:, :, b].astype(np.float32)
-            ts = ts + c[None, :, b] * dq[:, None, b]
-    return acc + ts if c.any() else acc
+            v = (w.scales[None, :, b] * d[:, None, b]) * p[:, :, b].astype(np.float32)
+            if c.any():
+                v = v + c[None, :, b] * dq[:, None, b]
+            acc = acc + v
+    return acc
 
 
 CASES = [(4, 0, True), (4, 8, False), (4, "mixed", True), (8, 128, False), (8, "mixed", True),

@@ -32,11 +32,14 @@ The product, per output ``n`` and row ``m``, float32 with one rounding per
 operation (no fused multiply-add), ``d``, ``dq`` the row's block scales and
 scaled sums (:func:`~pagedkv_np.backends.block_q8.q8_quantize_row`):
 
-* ``acc = 0``, ``ts = 0``; per block ``b`` in order: ``P`` the exact integer
-  sum of ``code * q`` over the block's 32 inputs (codes unsigned as stored),
-  ``acc = acc + (scale_nb * d_mb) * float(P)``, and with terms ``ts = ts +
-  c_nb * dq_mb``;
-* ``out = acc + ts`` (without terms ``out = acc``).
+* ``acc = 0``; per block ``b`` in order: ``P`` the exact integer sum of
+  ``code * q`` over the block's 32 inputs (codes unsigned as stored), the
+  block's value ``v = (scale_nb * d_mb) * float(P)``, with terms ``v = v +
+  c_nb * dq_mb``, then ``acc = acc + v``; ``out = acc``. (The zero point and
+  offset cancel most of a block's code sum, so adding them per block keeps
+  the accumulator near the result: SmolLM2's body, against a separate sum of
+  the terms added at the end, moved NLL within the noise of the float order,
+  see README "Decode".)
 
 As in :func:`~pagedkv_np.backends.block_q8.q8_matmul`, ``c * dq`` carries the
 zero point and the offset: ``sum_i (code_i - zero) scale d q_i + offset
@@ -247,7 +250,6 @@ def _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
     for r in range(rows):
         for j in range(TILE):
             acc = np.float32(0.0)
-            ts = np.float32(0.0)
             for b in range(num_blocks):
                 p = 0
                 for i in range(32):
@@ -259,10 +261,11 @@ def _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
                         code = np.int64(codes[t, b * group + 64 * (i // 4) + 4 * j + i % 4])
                     p += code * np.int64(q[m + r, 32 * b + i])
                 at = b * TILE + j
-                acc = acc + (float32_of(scales[t, at]) * d[m + r, b]) * np.float32(p)
+                v = (float32_of(scales[t, at]) * d[m + r, b]) * np.float32(p)
                 if terms.shape[1] != 0:
-                    ts = ts + float32_of(terms[t, at]) * dq[m + r, b]
-            scratch[r, j] = acc + ts if terms.shape[1] != 0 else acc
+                    v = v + float32_of(terms[t, at]) * dq[m + r, b]
+                acc = acc + v
+            scratch[r, j] = acc
 
 
 _tile = _tile_ir if HAS_AVX2 else _tile_portable

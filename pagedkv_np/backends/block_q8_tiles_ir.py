@@ -14,8 +14,9 @@ per block of 32 inputs,
   halves of 256 bits with AVX-VNNI, else ``maddubs`` then ``pmaddwd`` with
   ones (4-bit codes; 8-bit codes go as their two nibbles, the high one's sum
   shifted by 4, so that no i16 sum saturates);
-* the float part, a separate multiply and add per operation: ``acc + (scale
-  * d) * float(P)`` and, with block terms, ``terms + c * dq``.
+* the float part, a separate multiply and add per operation: ``acc + ((scale
+  * d) * float(P) + c * dq)`` (without block terms ``acc + (scale * d) *
+  float(P)``).
 
 Scales and block terms are float32 or float16 bit patterns (widened exactly).
 """
@@ -147,7 +148,7 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
                 row = builder.add(m_v, ir.Constant(intp, r))
                 rows.append((a_q.row(builder, row, _I8), a_d.row(builder, row, _F32),
                              a_dq.row(builder, row, _F32)))
-            carried = [_ZERO_F] * (num_rows * (2 if terms_on else 1))
+            carried = [_ZERO_F] * num_rows
             b, phis, finish = counted_loop(builder, "q8_tile", ir.Constant(intp, 0),
                                            num_blocks, carried)
             at_codes = builder.mul(b, ir.Constant(intp, groups * group_bytes))
@@ -171,21 +172,19 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
             scale = _lanes(builder, scales, at_lanes)
             term = _lanes(builder, terms, at_lanes) if terms_on else None
             new = []
-            for r, (_, d, _) in enumerate(rows):
+            for r, (_, d, dq) in enumerate(rows):
                 p = builder.sitofp(builder.add(sums[r][0], sums[r][1]), _V16F)
                 sd = builder.fmul(scale, splat(builder, builder.load(builder.gep(d, [b])),
                                                _V16F))
-                new.append(builder.fadd(phis[r], builder.fmul(sd, p)))
-            if terms_on:
-                for r, (_, _, dq) in enumerate(rows):
+                block = builder.fmul(sd, p)
+                if terms_on:                 # the block's value before it is added
                     dqv = splat(builder, builder.load(builder.gep(dq, [b])), _V16F)
-                    new.append(builder.fadd(phis[num_rows + r], builder.fmul(term, dqv)))
+                    block = builder.fadd(block, builder.fmul(term, dqv))
+                new.append(builder.fadd(phis[r], block))
             done = finish(new)
             for r in range(num_rows):
-                total = builder.fadd(done[r], done[num_rows + r]) if terms_on else done[r]
                 out = a_out.row(builder, ir.Constant(intp, r), _F32)
-                ptr = builder.bitcast(out, _V16F.as_pointer())
-                builder.store(total, ptr, align=4)
+                builder.store(done[r], builder.bitcast(out, _V16F.as_pointer()), align=4)
             return ir.Constant(ir.IntType(64), 0)
 
         return sig, codegen
