@@ -86,6 +86,15 @@ for 14,790 tokens each, prefill 229 s, graph 885 s)::
 
 (6f6c1fc rounds and the float32-weight file: 2026-12-02, quiet; the file
 written from the GGUF's dequantized tensors with the gguf package.)
+Tiled products (block_q8_tiles), 2026-12-03, a 2-core Intel Xeon with AVX-512
+VNNI (``decode --batch 29``, 7 minutes)::
+
+    int8, head float32  2.73088   15.3464   0.3491      +0.089%  (KL 0.002085)
+    decode int8 head    2.73106   15.3492   0.3492      +0.096%
+    llama-perplexity    2.73090   15.3467   0.3492      +0.089%  (--no-repack, same VM)
+
+(the per-output kernel in the same run setup: +0.092% and +0.137%; tiles
+with the block terms summed apart: +0.120% and +0.129%.)
     KL(float32 || int8) 0.0134 per token; same top token 93.56%
 
 The float32 decode step scores the text as the graph does (the same NLL to

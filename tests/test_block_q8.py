@@ -359,15 +359,20 @@ def test_random_shapes_and_magnitudes_follow_the_order(seed, m, blocks, bits, bl
     np.testing.assert_array_equal(q8_matmul(x, w), _emulate(x, w))
 
 
-def test_non_finite_input_gives_non_finite_outputs_of_its_row_only():
+@pytest.mark.parametrize("tiled", [False, True])
+def test_non_finite_input_gives_non_finite_outputs_of_its_row_only(tiled):
+    """Both int8 kernels: the per-output one and the tiles of :mod:`.block_q8_tiles`."""
+    from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
+
+    product = q8_tiled_matmul if tiled else q8_matmul
     rng = np.random.default_rng(4)
-    w = _weight(rng, 4, 32, 64, 5, 8, True)
+    w = _weight(rng, 4, 32, 64, 20, 8, True)
     x = rng.standard_normal((3, 64)).astype(np.float32)
     x[1, 3] = np.nan
     x[2, 40] = np.inf
-    got = q8_matmul(x, w)
+    got = product(x, w)
     assert np.isfinite(got[0]).all() and not np.isfinite(got[1:]).any()
-    np.testing.assert_array_equal(got[0], q8_matmul(x[:1], w)[0])
+    np.testing.assert_array_equal(got[0], product(x[:1], w)[0])
 
 
 def test_empty_batch():

@@ -12,7 +12,10 @@ thread 2.8-3.1x the float32 kernel's rate on SmolLM2's body shapes and about
 onnxruntime's MatMulNBits with int8 activations (``accuracy_level=4``; 1.0x
 to 1.8x its rate), and unlike the latter deterministic: row ``m``'s outputs
 depend on ``x[m]`` only, bit for bit, whatever ``M``, the thread count or the
-tile the row lands in.
+tile the row lands in. (The engine's decode step and int8 head take
+:mod:`.block_q8_tiles` instead for 4 or 8 bits in blocks of 32: the same
+rounded rows against a copy of the weight packed by 16 outputs, faster,
+another float order; this kernel keeps the rest, blocks of 16.)
 
 Activation quantization (:func:`q8_quantize_row`), per row and per block ``b``
 of ``block_size`` inputs (the weight's), all float32:
