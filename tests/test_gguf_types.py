@@ -182,22 +182,15 @@ def test_model_holds_no_matmulnbits_with_slow_bits(tmp_path):
     assert np.abs(_logits(_session(folder), tokens) - want).max() < 1e-4 * np.abs(want).max()
 
 
-@pytest.mark.parametrize("qtype, native", [(Q.Q4_K, True), (Q.Q5_0, False), (Q.Q6_K, False)],
-                         ids=lambda v: getattr(v, "name", str(v)))
-def test_a_gguf_decodes_int8_by_default_where_its_weights_stay_blocks(tmp_path, qtype, native):
-    """The default of a GGUF import: the engine's own int8 step where every
-    product reads blocks; where the import made weights float32 (5-8-bit
-    types at accuracy_level 0) onnxruntime's graph decodes, as it is faster
-    there; asked for, int8 steps run all the same."""
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0], ids=lambda q: q.name)
+def test_a_gguf_decodes_int8_by_default_with_every_type_in_blocks(tmp_path, qtype):
+    """The default of a GGUF import: the engine's own int8 step, every product
+    reading blocks: the graph's, or for the 5-8-bit types that it holds in
+    float32 at accuracy_level 0, the step file's."""
     spec = _k_file(tmp_path, qtype, seed=7)
     folder = import_gguf(spec.path, cache_dir=tmp_path / "cache")
-    kw = {"num_pages": 64, "page_size": 4, "threads": 1}
-    dec = OrtDecoder.from_pretrained(str(folder), **kw)
-    assert (dec.native is not None) == native
-    if native:
-        assert dec.native.int8 and dec.native.float_linears() == 0
-    asked = OrtDecoder.from_pretrained(str(folder), int8_activations=True, **kw)
-    assert asked.native is not None and asked.native.int8
-    assert (asked.native.float_linears() == 0) == native
+    assert (folder / "step_blocks.npz").is_file() == (qtype not in kept_blocks("q4", 0))
+    dec = OrtDecoder.from_pretrained(str(folder), num_pages=64, page_size=4, threads=1)
+    assert dec.native is not None and dec.native.int8 and dec.native.float_linears() == 0
     prompt = [5, 60, 70, 80, 90]
     assert len(dec.generate([prompt], max_new_tokens=4)[0]) == 4

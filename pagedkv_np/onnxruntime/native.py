@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..backends.block_q8_tiles import packs, q8_tiled_product, q8_tiles
 from ..errors import ConfigError, DTypeError, ShapeError, UnsupportedModelError
 from ..models.geometry import DecoderGeometry
 from ..threads import StepThreads
+from .graph_weights import GraphWeights
 
 __all__ = ["FLOAT_MAX_ROWS", "NativeDecode", "NativeLinear"]
 
@@ -114,78 +114,20 @@ class NativeLinear:
         return out
 
 
-class _Initializers:
-    """A graph's constants by name, read on demand (external data from ``base``)."""
-
-    def __init__(self, proto: Any, base: str | None) -> None:
-        from onnx import numpy_helper
-
-        self._to_array = numpy_helper.to_array
-        self.base = base
-        self.tensors = {t.name: t for t in proto.graph.initializer}
-        for node in proto.graph.node:
-            if node.op_type == "Constant":
-                for attr in node.attribute:
-                    if attr.name == "value":
-                        self.tensors[node.output[0]] = attr.t
-        self.nodes = list(proto.graph.node)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.tensors
-
-    def array(self, name: str) -> np.ndarray:
-        if name not in self.tensors:
-            raise UnsupportedModelError(f"the graph has no initializer {name!r}")
-        return np.asarray(self._to_array(self.tensors[name], base_dir=self.base or ""))
-
-    def floats(self, name: str) -> np.ndarray:
-        return np.ascontiguousarray(self.array(name), dtype=np.float32)
-
-
-def _block_attrs(nodes: list) -> dict[str, tuple[int, int]]:
-    """Codes initializer -> (bits, block_size), from the nodes that read it."""
-    found = {}
-    for node in nodes:
-        if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
-            attrs = {a.name: a.i for a in node.attribute}
-            codes = node.input[1] if node.op_type == "MatMulNBits" else node.input[0]
-            found[codes] = (int(attrs.get("bits", 4)), int(attrs["block_size"]))
-    return found
-
-
-def _weight(init: _Initializers, blocks: dict, name: str) -> BlockWeight | np.ndarray | None:
-    """The weight ``name`` as blocks or float32 ``[K, N]``, None when absent."""
-    codes = name + ".qweight"
-    if codes in init:
-        if codes not in blocks:
-            raise UnsupportedModelError(f"no node reads {codes!r}: cannot tell its bits")
-        bits, block_size = blocks[codes]
-        parts = types.SimpleNamespace(
-            bits=bits, block_size=block_size, B=init.array(codes),
-            scales=init.array(name + ".scales"),
-            zero_points=init.array(name + ".qzeros") if name + ".qzeros" in init else None,
-            offsets=init.array(name + ".mins") if name + ".mins" in init else None)
-        return BlockWeight.from_nbits(parts)
-    return init.floats(name) if name in init else None
-
-
-def _linears(init: _Initializers, blocks: dict, packed: str, parts: list[str],
+def _linears(init: GraphWeights, packed: str, parts: tuple[str, ...], shape: tuple[int, int],
              int8: bool) -> list[NativeLinear]:
-    """One packed linear, else one per part."""
-    w = _weight(init, blocks, packed)
-    if w is not None:
-        return [NativeLinear(w, int8)]
-    found = [_weight(init, blocks, name) for name in parts]
-    if any(w is None for w in found):
-        raise UnsupportedModelError(f"the graph has neither {packed!r} nor all of {parts}")
-    return [NativeLinear(w, int8) for w in found]   # type: ignore[arg-type]
+    """One packed linear, else one per part (:meth:`GraphWeights.product`)."""
+    return [NativeLinear(w, int8) for w in init.product(packed, parts, shape)]
 
 
 class _Layer:
-    def __init__(self, init: _Initializers, blocks: dict, c: DecoderGeometry, i: int,
+    def __init__(self, init: GraphWeights, c: DecoderGeometry, i: int,
                  tables: tuple[np.ndarray, np.ndarray], int8: bool) -> None:
         p = f"l{i}."
-        self.qkv = _linears(init, blocks, p + "wqkv", [p + "wq", p + "wk", p + "wv"], int8)
+        nq, nkv, hidden, inter = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim,
+                                  c.hidden_size, c.intermediate_size)
+        self.qkv = _linears(init, p + "wqkv", (p + "wq", p + "wk", p + "wv"),
+                            (hidden, nq + 2 * nkv), int8)
         bias = None
         if c.qkv_bias:
             bias = (init.floats(p + "bqkv") if p + "bqkv" in init else
@@ -193,22 +135,16 @@ class _Layer:
         self.bias = bias
         self.q_norm = init.floats(p + "q_norm") if c.qk_norm else None
         self.k_norm = init.floats(p + "k_norm") if c.qk_norm else None
-        self.wo = NativeLinear(_required(init, blocks, p + "wo"), int8)
-        self.gate_up = _linears(init, blocks, p + "w_gate_up", [p + "w_gate", p + "w_up"], int8)
-        self.down = NativeLinear(_required(init, blocks, p + "w_down"), int8)
+        self.wo, = _linears(init, p + "wo", (), (nq, hidden), int8)
+        self.gate_up = _linears(init, p + "w_gate_up", (p + "w_gate", p + "w_up"),
+                                (hidden, 2 * inter), int8)
+        self.down, = _linears(init, p + "w_down", (), (inter, hidden), int8)
         self.attn_norm = init.floats(p + "attn_norm")
         self.mlp_norm = init.floats(p + "mlp_norm")
         self.post_attn = init.floats(p + "post_attn_norm") if c.post_norms else None
         self.post_mlp = init.floats(p + "post_mlp_norm") if c.post_norms else None
         self.window = c.window(i)
         self.cos, self.sin = tables
-
-
-def _required(init: _Initializers, blocks: dict, name: str) -> BlockWeight | np.ndarray:
-    w = _weight(init, blocks, name)
-    if w is None:
-        raise UnsupportedModelError(f"the graph has no weight {name!r}")
-    return w
 
 
 class NativeDecode:
@@ -240,8 +176,7 @@ class NativeDecode:
                  int8: bool = False) -> None:
         c = self.geometry = geometry
         self.int8 = int8
-        init = _Initializers(proto, base)
-        blocks = _block_attrs(init.nodes)
+        init = GraphWeights(proto, base)
         gqa = [n for n in init.nodes if n.op_type == "GroupQueryAttention"]
         if len(gqa) != c.num_layers:
             raise UnsupportedModelError(f"the graph has {len(gqa)} GroupQueryAttention nodes "
@@ -251,15 +186,16 @@ class NativeDecode:
             key = (node.input[7], node.input[8])
             if key not in tables:
                 tables[key] = (init.floats(key[0]), init.floats(key[1]))
-        self.layers = [_Layer(init, blocks, c, i, tables[(node.input[7], node.input[8])], int8)
+        self.layers = [_Layer(init, c, i, tables[(node.input[7], node.input[8])], int8)
                        for i, node in enumerate(gqa)]
+        init.check_used()
         self.max_positions = min(t[0].shape[0] for t in tables.values())
-        embed = _required(init, blocks, "embed")
+        embed = init.required("embed")
         self.embed = embed
         self.final_norm = init.floats("final_norm")
         self.head: NativeLinear | None = None
         if with_head:
-            head = _weight(init, blocks, "lm_head")
+            head = init.weight("lm_head")
             if head is None:             # tied: the embedding's blocks, or its transpose
                 head = embed if isinstance(embed, BlockWeight) else \
                     np.ascontiguousarray(embed.T)

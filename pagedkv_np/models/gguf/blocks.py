@@ -76,7 +76,8 @@ import numpy as np
 
 from ...errors import ConfigError, DTypeError, ShapeError
 
-__all__ = ["BLOCK_KINDS", "BLOCK_SIZE", "BlockKind", "BlockQuantized", "NBits"]
+__all__ = ["BLOCK_KINDS", "BLOCK_SIZE", "BlockKind", "BlockQuantized", "NBits",
+           "concat_nbits"]
 
 #: inputs per block of the ``_0``/``_1`` types (the K types' sub-blocks are 16 or 32)
 BLOCK_SIZE = 32
@@ -135,6 +136,28 @@ class NBits:
     scales: np.ndarray
     zero_points: np.ndarray | None
     offsets: np.ndarray | None
+
+
+def concat_nbits(parts: list[NBits]) -> NBits | None:
+    """One weight computing ``parts``' outputs side by side, or None where
+    they differ in input size, block size, bits (8 only: one zero point a
+    block) or in having offsets. A part without zero points gets its
+    default ``128`` written out, so 8-bit kinds of other zeros (Q5_0's 16,
+    Q8_0's 128) share one weight."""
+    first = parts[0]
+    nbs = {p.B.shape[1] for p in parts}
+    if len(nbs) != 1 or any(p.bits != 8 or p.block_size != first.block_size
+                            or (p.offsets is None) != (first.offsets is None) for p in parts):
+        return None
+    zero_points = None
+    if any(p.zero_points is not None for p in parts):
+        zero_points = np.concatenate([
+            p.zero_points if p.zero_points is not None else
+            np.full(p.B.shape[0] * p.B.shape[1], 128, np.uint8) for p in parts])
+    offsets = None if first.offsets is None else np.concatenate(
+        [p.offsets for p in parts], axis=1)      # type: ignore[misc]
+    return NBits(8, first.block_size, np.concatenate([p.B for p in parts]),
+                 np.concatenate([p.scales for p in parts]), zero_points, offsets)
 
 
 def _f16(b: np.ndarray, start: int) -> np.ndarray:

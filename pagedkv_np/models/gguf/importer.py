@@ -10,6 +10,8 @@ onnxruntime-genai both load::
     tokenizer.json                rebuilt from the GGUF vocabulary and merges
     tokenizer_config.json         chat template, bos / eos, add_bos_token, add_eos_token
     genai_config.json             onnxruntime-genai's description of the decoder
+    lm_head.npz, step_blocks.npz  blocks the engine runs itself, where the graph
+                                  holds them in float32 (see below)
 
 Architectures: ``llama`` (Llama 2/3, SmolLM, TinyLlama, Mistral), ``qwen2``,
 ``qwen3``, ``phi3`` and ``gemma3`` (what each means:
@@ -29,7 +31,10 @@ Weight modes (``weights=``):
                Q5_1, Q5_K, Q6_K, Q8_0) become float32 (exact: 8-bit
                MatMulNBits was 25-60x slower than a float32 MatMul here)
                unless ``accuracy_level=4``, which runs them as 8-bit blocks;
-               F16 tensors stay float16, BF16 become float32.
+               at level 0 the layers' 5-8-bit weights are kept in their
+               blocks as well, in ``step_blocks.npz``
+               (:mod:`pagedkv_np.models.block_file`), for the engine's own
+               decode step; F16 tensors stay float16, BF16 become float32.
 ``"float32"``  every tensor dequantized to float32.
 ``"float16"``  every matrix stored as float16 (norms stay float32); the
                session casts them to float32 when it loads, so this halves
@@ -106,18 +111,21 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from ...digests import file_digest
 from ...errors import ConfigError
 from ...log import long_wait
 from ..geometry import DecoderGeometry
 from .reader import (ARCHITECTURES, SUPPORTED_TYPES, GGUFFile, GGUFFormatError, kept_blocks,
                      read_geometry, read_weights)
-from .blocks import BlockQuantized
+from .blocks import BlockQuantized, NBits, concat_nbits
 from .options import (DEFAULT_HEAD_ACCURACY_LEVEL, DEFAULT_MAX_CONTEXT, FAMILIES, FORMAT_VERSION,
                       WEIGHT_MODES, ImportOptions)
 from .folder_files import text_files
 from ..graph import build_decoder, save_decoder
 from ..head_file import HEAD_FILE, save_head
+from ..block_file import STEP_FILE, STEP_METADATA_KEY, save_step_blocks
 from ...errors import UnsupportedModelError
 
 __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
@@ -125,6 +133,8 @@ __all__ = ["GGUFFormatError", "WEIGHT_MODES", "ARCHITECTURES", "FORMAT_VERSION",
            "import_gguf", "convert_gguf", "cache_dir_default",
            "file_digest", "main"]
 
+# the graph's packed weights and their parts (pagedkv_np.models.graph)
+_PACKED = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
 logger = logging.getLogger(__name__)
 
 def cache_dir_default() -> Path:
@@ -200,9 +210,13 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     text = text_files(f, arch, c, opts.family, c.tie_word_embeddings)
     engine_head = _engine_head(f, opts)
     graph_geometry, tensors = read_weights(
-        f, arch, c, opts.weights, kept_blocks(opts.weights, opts.accuracy_level),
+        f, arch, c, opts.weights, kept_blocks(opts.weights, 4),
         kept_blocks(opts.weights, 4 if engine_head else opts.head_level))
     del f, header
+    step = _step_blocks(tensors, kept_blocks(opts.weights, opts.accuracy_level))
+    if step:
+        save_step_blocks(folder / STEP_FILE, step)
+    del step
     head = tensors.get("lm_head", tensors["embed"])      # 8-bit heads run at their own level
     eight_bit = isinstance(head, BlockQuantized) and head.spec.bits == 8
     if engine_head:
@@ -218,6 +232,9 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
                           external_data=folder / "model.onnx.data",
                           head_file=HEAD_FILE if engine_head else None)
     del tensors
+    if (folder / STEP_FILE).is_file():
+        prop = model.metadata_props.add()
+        prop.key, prop.value = STEP_METADATA_KEY, STEP_FILE
     save_decoder(model, folder)
     del model
     (folder / "tokenizer.json").write_text(text["tokenizer.json"], encoding="utf-8")
@@ -228,6 +245,32 @@ def _build(header: _Header, folder: Path, opts: ImportOptions, provenance: dict)
     for name, value in text.items():
         if name != "tokenizer.json":
             (folder / name).write_text(json.dumps(value, indent=2) + "\n", encoding="utf-8")
+
+
+def _step_blocks(tensors: dict, graph_kinds: dict) -> dict[str, NBits]:
+    """Take the layer weights in blocks of kinds that the graph does not run
+    (the 5-8-bit ones at ``accuracy_level=0``) out of ``tensors``: float32
+    ``[in, out]`` there, for the graph's prompt products, and their parts in
+    the result, for the step file (:mod:`pagedkv_np.models.block_file`);
+    Q/K/V and gate/up packed where their parts fit together, as the graph
+    packs them."""
+    kinds = set(graph_kinds.values())
+    step = {}
+    for key, t in list(tensors.items()):
+        if key not in ("embed", "lm_head") and isinstance(t, BlockQuantized) \
+                and t.kind not in kinds:
+            step[key] = t.matmul_nbits()
+            tensors[key] = np.ascontiguousarray(t.dequantize_rows().T)
+    for packed, names in _PACKED.items():
+        for layer in {key.split(".", 1)[0] for key in step}:
+            keys = [f"{layer}.{name}" for name in names]
+            if all(key in step for key in keys):
+                joined = concat_nbits([step[key] for key in keys])
+                if joined is not None:
+                    for key in keys:
+                        del step[key]
+                    step[f"{layer}.{packed}"] = joined
+    return step
 
 
 def _engine_head(f: GGUFFile, opts: ImportOptions) -> bool:

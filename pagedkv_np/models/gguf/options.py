@@ -24,7 +24,7 @@ FAMILIES = ("gqa", "optimum")
 #: Q/K/V and gate/up weights, one-node RMSNorms; 8: a 5-8-bit head in lm_head.npz,
 #: run by the engine; 9: the geometry in the graph's metadata, for the engine's
 #: own decode step)
-FORMAT_VERSION = 9
+FORMAT_VERSION = 10
 #: positions served (and RoPE table rows) unless ``max_context`` says otherwise
 DEFAULT_MAX_CONTEXT = 8192
 #: the LM head's MatMulNBits accuracy level unless told (see import_gguf):
