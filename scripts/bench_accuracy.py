@@ -342,9 +342,11 @@ class DecodeScorer:
     """The engine's own decode step (:class:`~pagedkv_np.onnxruntime.native.NativeDecode`),
     built as ``OrtDecoder`` builds it, with the engine-side head when the
     folder has one; ``int8``: activations rounded to int8 per block (the
-    head's too with ``head_int8``)."""
+    head's too with ``head_int8``; twice, the row then what that left, with
+    ``head_int8x2``)."""
 
-    def __init__(self, folder: Path, threads: int, int8: bool, head_int8: bool = False) -> None:
+    def __init__(self, folder: Path, threads: int, int8: bool, head_int8: bool = False,
+                 head_int8x2: bool = False) -> None:
         from pagedkv_np.models.geometry import geometry_from_json
         from pagedkv_np.onnxruntime.head import BlockHead
         from pagedkv_np.onnxruntime.model_io import graph_facts
@@ -359,7 +361,7 @@ class DecodeScorer:
         self.native = NativeDecode.from_source(source, proto, self.geometry, threads,
                                                with_head=facts.head_file is None, int8=int8)
         self.head = (None if facts.head_file is None
-                     else BlockHead(folder / facts.head_file, threads, head_int8))
+                     else BlockHead(folder / facts.head_file, threads, head_int8, head_int8x2))
         self.native.warmup()
         if self.head is not None:
             self.head.warmup()
@@ -427,9 +429,11 @@ def score_decode(folder: Path, text: str, n_ctx: int, threads: int, batch: int,
         sys.exit(f"the text has {len(tokens)} tokens: at least {2 * n_ctx} are needed")
     if max_windows:
         num_windows = min(num_windows, max_windows)
-    # "int8": as OrtDecoder decodes a GGUF import by default (the head in float32)
+    # "int8": as OrtDecoder decodes a GGUF import by default (the head's rows
+    # rounded to int8 twice)
     modes = {"float32": DecodeScorer(folder, threads, False),
-             "int8": DecodeScorer(folder, threads, True),
+             "int8": DecodeScorer(folder, threads, True, head_int8x2=True),
+             "int8, head f32": DecodeScorer(folder, threads, True),
              "int8 head": DecodeScorer(folder, threads, True, head_int8=True)}
     prompt_kv = PromptKV(folder, threads) if prefill else None
     graph_scorer = WindowScorer(folder, threads) if graph else None

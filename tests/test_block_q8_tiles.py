@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
 from pagedkv_np.backends.block_q8 import q8_matmul, q8_quantize
 from pagedkv_np.backends.block_q8_tiles import (packs, q8_tiled_gemm, q8_tiled_gemm_portable,
-                                                q8_tiled_matmul, q8_tiles)
+                                                q8_tiled_matmul, q8_tiles, q8x2_tiled_matmul)
 from pagedkv_np.errors import DTypeError, ShapeError
 from pagedkv_np.models.gguf.blocks import BLOCK_KINDS, BlockQuantized
 
@@ -152,6 +152,10 @@ def test_bad_input_raises_before_writing():
     out = np.full((2, 20), 7.0, np.float32)
     with pytest.raises(DTypeError):
         q8_tiled_matmul(np.zeros((2, 64), np.float64), w, out)
+    with pytest.raises(DTypeError):
+        q8x2_tiled_matmul(np.zeros((2, 64), np.float64), w, out)
+    with pytest.raises(ShapeError):
+        q8x2_tiled_matmul(np.zeros((2, 63), np.float32), w, out)
     with pytest.raises(ShapeError):
         q8_tiled_matmul(np.zeros((2, 63), np.float32), w, out)
     with pytest.raises(ShapeError):
@@ -162,11 +166,45 @@ def test_bad_input_raises_before_writing():
     assert q8_tiled_matmul(np.empty((0, 64), np.float32), w).shape == (0, 20)
 
 
+def _remainder(x: np.ndarray) -> np.ndarray:
+    """``x - d * float(q)`` of its int8 rounding per block, in float32."""
+    m, k = x.shape
+    q = np.empty((m, k), np.int8)
+    d, dq, sums = (np.empty((m, k // 32), np.float32) for _ in range(3))
+    q8_quantize(x, 8, 32, q, d, dq, sums)
+    return x - (np.repeat(d, 32, axis=1) * q.astype(np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits,zero,offsets", CASES)
+def test_twice_rounded_rows_follow_the_order_in_any_batch(bits, zero, offsets, threads):
+    """y(x) + y(x's remainder), each the documented order; a row's bits do not
+    depend on its batch; far nearer the exact product than int8."""
+    rng = np.random.default_rng(bits * 5 + offsets)
+    w = _weight(rng, bits, 32, 160, 41, zero, offsets)
+    x = (rng.standard_normal((5, 160)) * np.linspace(0.1, 4, 160)).astype(np.float32)
+    before = numba.get_num_threads()
+    numba.set_num_threads(threads)
+    try:
+        got = q8x2_tiled_matmul(x, w)
+        alone = np.stack([q8x2_tiled_matmul(x[i:i + 1], w)[0] for i in range(5)])
+    finally:
+        numba.set_num_threads(before)
+    np.testing.assert_array_equal(got, _emulate(x, w) + _emulate(_remainder(x), w))
+    np.testing.assert_array_equal(alone, got)
+    exact = x.astype(np.float64) @ _dequantized(w)
+    magnitude = np.abs(x).astype(np.float64) @ np.abs(_dequantized(w))
+    int8_error = np.abs(q8_tiled_matmul(x, w) - exact).max()
+    assert np.abs(got - exact).max() < int8_error / 20
+    assert (np.abs(got - exact) <= 1e-3 * magnitude).all()
+    assert (np.abs(block_matmul(x, w) - exact) <= 1e-5 * magnitude).all()
+
+
 _NO_VNNI_SCRIPT = """
 import sys
 import numpy as np
 from pagedkv_np.backends import block_q8_tiles_ir
-from pagedkv_np.backends.block_gemv import BlockWeight
+from pagedkv_np.backends.block_gemv import BlockWeight, block_matmul
 from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
 data = np.load(sys.argv[1])
 outs = {}

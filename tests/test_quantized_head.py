@@ -224,3 +224,28 @@ def test_the_engine_loads_an_import_without_onnxruntime_warnings(tmp_path):
 def test_smollm2_import_loads_without_warnings():
     folder = import_gguf(_smollm2_path())       # the user cache: imported once
     assert _load_stderr(folder) == ""
+
+
+def test_the_engine_head_rounds_twice_behind_the_default_int8_step(tmp_path):
+    """By default (int8 decode step) the engine-side head rounds its rows to
+    int8 twice; int8_activations=True rounds them once, False leaves them
+    float32; greedy tokens of the default equal the float32 decoder's here."""
+    spec = _write(tmp_path, Q.Q8_0, tied=True)
+    folder = str(import_gguf(spec.path, cache_dir=tmp_path / "cache"))
+    kw = {"num_pages": 64, "page_size": 4, "threads": 1}
+    heads = {}
+    decs = {}
+    for name, int8 in (("default", None), ("int8", True), ("float", False)):
+        decs[name] = OrtDecoder.from_pretrained(folder, int8_activations=int8, **kw)
+        heads[name] = decs[name]._batcher.runner.head
+    assert heads["default"].int8x2 and not heads["default"].int8
+    assert heads["int8"].int8 and not heads["int8"].int8x2
+    assert not heads["float"].int8 and not heads["float"].int8x2
+    hidden = np.random.default_rng(4).standard_normal((3, heads["float"].hidden_size))
+    hidden = hidden.astype(np.float32)
+    exact = heads["float"](hidden)
+    twice, once = heads["default"](hidden), heads["int8"](hidden)
+    assert np.abs(twice - exact).max() < np.abs(once - exact).max() / 20
+    prompt = [5, 60, 70, 80, 90]
+    assert decs["default"].generate([prompt], max_new_tokens=6) == \
+        decs["float"].generate([prompt], max_new_tokens=6)

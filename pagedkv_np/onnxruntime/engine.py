@@ -84,7 +84,8 @@ def _model_name(model: Any, model_folder: Any) -> str:
     return f"<{type(model).__name__}>"
 
 
-def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool) -> BlockHead:
+def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool,
+                 int8x2: bool = False) -> BlockHead:
     """The head a graph's metadata names, beside its file, compiled now."""
     if not isinstance(source, str):
         raise UnsupportedModelError(
@@ -94,7 +95,7 @@ def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool) -
         raise UnsupportedModelError(f"the model names an LM head file {head_file!r} outside "
                                     "its folder")
     head = BlockHead(os.path.join(os.path.dirname(os.path.abspath(source)), head_file),
-                     threads, int8)
+                     threads, int8, int8x2)
     head.warmup()
     return head
 
@@ -307,11 +308,12 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         head = None
         if facts.head_file is not None:
             # int8 activations for the head too only where asked (or the graph's
-            # products take them): a float32 head keeps the likelihood of int8
-            # steps at llama.cpp's (see int8_activations)
-            head = _engine_head(source, facts.head_file, self.threads.threads,
-                                native is not None and native.int8
-                                and (int8_activations is True or facts.int8_matmuls))
+            # products take them); behind the int8 step by default, rounded twice
+            # (int8x2): float32's likelihood at int8's speed (see int8_activations)
+            int8_step = native is not None and native.int8
+            head_int8 = int8_step and (int8_activations is True or facts.int8_matmuls)
+            head = _engine_head(source, facts.head_file, self.threads.threads, head_int8,
+                                int8_step and not head_int8)
             self.io = dataclasses.replace(self.io, vocab_size=head.vocab_size)
             if native is not None:
                 native.share_embedding(head.weight)      # a tied head: one copy of its blocks
