@@ -166,3 +166,22 @@ def test_concat_nbits_writes_out_default_zero_points():
     q6 = BlockQuantized("q6_k", random_blocks(rng, (4, 256), Q.Q6_K, 0.1)).matmul_nbits()
     q5k = BlockQuantized("q5_0", random_blocks(rng, (4, 256), Q.Q5_0, 0.1)).matmul_nbits()
     assert concat_nbits([q5k, q6]) is None        # blocks of 32 and 16
+
+
+def test_a_step_file_without_its_folder_or_outside_it_is_refused(mixed, tmp_path):
+    import onnx
+
+    from pagedkv_np.onnxruntime import UnsupportedModelError
+
+    _, folder = mixed
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=True)
+    with pytest.raises(UnsupportedModelError, match="from its path"):
+        OrtDecoder(model.SerializeToString(), num_pages=16, page_size=4)
+    copy = _copy(folder, tmp_path)
+    proto = onnx.load(str(copy / "model.onnx"), load_external_data=False)
+    for prop in proto.metadata_props:
+        if prop.key == "pagedkv_np.step_blocks":
+            prop.value = "../" + STEP_FILE
+    onnx.save(proto, str(copy / "model.onnx"))
+    with pytest.raises(UnsupportedModelError, match="step file.*outside"):
+        OrtDecoder.from_pretrained(str(copy), **KW)

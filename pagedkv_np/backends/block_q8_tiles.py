@@ -193,17 +193,20 @@ def q8_tiled_matmul(x: np.ndarray, weight: BlockWeight, out: np.ndarray | None =
     ValueError
         The weight does not pack.
     """
+    return _tiled_call(q8_tiled_product, x, weight, out)
+
+
+def _tiled_call(product, x: np.ndarray, weight: BlockWeight, out: np.ndarray | None
+                ) -> np.ndarray:
+    """``product(x, tiles, threads, out)`` after the checks, on Numba's thread
+    count, in chunks of one."""
     w, x, out = product_operands(x, weight, out)
     tiles = q8_tiles(w)
     if x.shape[0] == 0:
         return out
-    threads = numba.get_num_threads()
-    if threads == 1:
-        q8_tiled_product(x, tiles, 1, out)
-        return out
     before = numba.set_parallel_chunksize(1)
     try:
-        q8_tiled_product(x, tiles, threads, out)
+        product(x, tiles, numba.get_num_threads(), out)
     finally:
         numba.set_parallel_chunksize(before)
     return out
@@ -346,17 +349,7 @@ def q8x2_tiled_matmul(x: np.ndarray, weight: BlockWeight, out: np.ndarray | None
     """``x @ w`` with each row rounded to int8 per block twice: ``x``, then
     its remainder (see the module docstring); arguments and errors as
     :func:`q8_tiled_matmul`."""
-    w, x, out = product_operands(x, weight, out)
-    tiles = q8_tiles(w)
-    if x.shape[0] == 0:
-        return out
-    threads = numba.get_num_threads()
-    before = numba.set_parallel_chunksize(1)
-    try:
-        q8x2_tiled_product(x, tiles, threads, out)
-    finally:
-        numba.set_parallel_chunksize(before)
-    return out
+    return _tiled_call(q8x2_tiled_product, x, weight, out)
 
 
 def q8x2_tiled_product(x: np.ndarray, tiles: Q8Tiles, threads: int, out: np.ndarray) -> None:

@@ -30,11 +30,11 @@ import zipfile
 
 import numpy as np
 
-from ..errors import ModelFolderError
+from ..errors import ModelFolderError, UnsupportedModelError
 from .gguf.blocks import NBits
 
 __all__ = ["STEP_METADATA_KEY", "STEP_FILE", "part_arrays", "load_arrays", "get_array",
-           "read_parts", "save_step_blocks", "read_step_blocks"]
+           "read_parts", "beside", "save_step_blocks", "read_step_blocks"]
 
 #: the ONNX model's metadata key whose value is the step file's name (in its folder)
 STEP_METADATA_KEY = "pagedkv_np.step_blocks"
@@ -56,20 +56,45 @@ def part_arrays(parts: NBits, prefix: str = "") -> dict[str, np.ndarray]:
     return {prefix + name: a for name, a in arrays.items()}
 
 
-def load_arrays(path: str | os.PathLike, what: str) -> dict[str, np.ndarray]:
-    """Every array of the ``.npz`` at ``path`` (``what``: the file's kind, for errors).
+def load_arrays(path: str | os.PathLike, what: str, form: int) -> dict[str, np.ndarray]:
+    """Every array of the ``.npz`` at ``path``, whose ``format`` must be
+    ``form`` (``what``: the file's kind, for errors).
 
     Raises
     ------
     ModelFolderError
-        No such file, or not an ``.npz`` without pickles.
+        No such file, not an ``.npz`` without pickles, or another format.
     """
     where = os.fspath(path)
     try:
         with np.load(where, allow_pickle=False) as z:
-            return {name: z[name] for name in z.files}
+            arrays = {name: z[name] for name in z.files}
     except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
         raise ModelFolderError(f"Invalid {what} {where!r}: {exc}") from exc
+    found = int(get_array(arrays, "format", np.int64, 0, where, what))
+    if found != form:
+        raise ModelFolderError(f"Invalid {what} {where!r}: format {found}, expected {form}")
+    return arrays
+
+
+def beside(model_path: str | None, name: str, what: str) -> str:
+    """The path of the file ``name`` that a model's metadata names, in the
+    folder of the model file ``model_path`` (``what``: the file's kind, with
+    its article, for errors).
+
+    Raises
+    ------
+    UnsupportedModelError
+        The model was not loaded from a path (``None``: bytes or a proto),
+        or ``name`` points outside its folder.
+    """
+    if model_path is None:
+        raise UnsupportedModelError(
+            f"the model names {what} {name!r} of its folder: load it from its path (or "
+            "OrtDecoder.from_pretrained(folder)), not from bytes")
+    if os.path.basename(name) != name:
+        raise UnsupportedModelError(f"the model names {what} {name!r} outside its folder")
+    return os.path.join(os.path.dirname(os.path.abspath(model_path)), name)
 
 
 def get_array(arrays: dict, name: str, dtype: type, ndim: int, where: str,
@@ -137,11 +162,7 @@ def read_step_blocks(path: str | os.PathLike) -> dict[str, NBits]:
         to no weight, or a weight whose arrays do not fit together.
     """
     what, where = "step file", os.fspath(path)
-    arrays = load_arrays(path, what)
-    found = int(get_array(arrays, "format", np.int64, 0, where, what))
-    if found != _STEP_FORMAT:
-        raise ModelFolderError(f"Invalid {what} {where!r}: format {found}, expected "
-                               f"{_STEP_FORMAT}")
+    arrays = load_arrays(path, what, _STEP_FORMAT)
     names = set()
     for key in arrays:
         if key != "format":

@@ -55,10 +55,7 @@ def read_head(path: str | os.PathLike) -> tuple[NBits, float]:
         dtypes or shapes do not fit together.
     """
     what, where = "LM head file", os.fspath(path)
-    arrays = load_arrays(path, what)
-    if int(get_array(arrays, "format", np.int64, 0, where, what)) != _FORMAT:
-        raise ModelFolderError(f"Invalid {what} {where!r}: format {arrays['format']}, "
-                               f"expected {_FORMAT}")
+    arrays = load_arrays(path, what, _FORMAT)
     parts = read_parts(arrays, "", where, what)
     softcap = float(get_array(arrays, "softcap", np.float64, 0, where, what))
     if not np.isfinite(softcap) or softcap < 0:

@@ -50,9 +50,10 @@ import threading
 from typing import Any
 
 from ..cache import PagedKVCache
-from ..errors import ConfigError, DTypeError, PagedKVError, UnsupportedModelError
+from ..errors import ConfigError, DTypeError, PagedKVError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
+from ..models.block_file import beside
 from ..models.geometry import geometry_from_json
 from ..quant import resolve_quant
 from ..tiers.fingerprint import model_fingerprint, weights_digest
@@ -87,15 +88,8 @@ def _model_name(model: Any, model_folder: Any) -> str:
 def _engine_head(source: Any, head_file: str, threads: int | None, int8: bool,
                  int8x2: bool = False) -> BlockHead:
     """The head a graph's metadata names, beside its file, compiled now."""
-    if not isinstance(source, str):
-        raise UnsupportedModelError(
-            f"the model names an LM head file {head_file!r} of its folder: load it from "
-            "its path (or OrtDecoder.from_pretrained(folder)), not from bytes")
-    if os.path.basename(head_file) != head_file:
-        raise UnsupportedModelError(f"the model names an LM head file {head_file!r} outside "
-                                    "its folder")
-    head = BlockHead(os.path.join(os.path.dirname(os.path.abspath(source)), head_file),
-                     threads, int8, int8x2)
+    path = beside(source if isinstance(source, str) else None, head_file, "an LM head file")
+    head = BlockHead(path, threads, int8, int8x2)
     head.warmup()
     return head
 
@@ -228,9 +222,12 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
         deterministic (:mod:`pagedkv_np.backends.block_q8`; a request's
         tokens do not depend on its batch, chunks or cached prefix). True:
         an LM head the engine runs too. Default (None): where the engine's
-        decode step runs on a model imported from a GGUF file (the head in
-        float32), or the graph's own block products take int8 activations
-        (every MatMulNBits node at ``accuracy_level=4``; the head too).
+        decode step runs on a model imported from a GGUF file (an
+        engine-side head's rows rounded to int8 twice, the row then what
+        that left: near float32's values at int8's speed, see
+        :func:`~pagedkv_np.backends.block_q8_tiles.q8x2_tiled_matmul`), or
+        the graph's own block products take int8 activations (every
+        MatMulNBits node at ``accuracy_level=4``; the head too).
         SmolLM2-135M Q4_1 on 58 windows of 512 tokens of the license texts
         (``scripts/bench_accuracy.py decode``): NLL 2.72845 with float32
         activations, 2.73113 (+0.098%) by default, 2.73263 (+0.153%) with

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backends.block_gemv import BlockWeight
 from ..errors import ModelFolderError, UnsupportedModelError
-from ..models.block_file import STEP_METADATA_KEY, read_step_blocks
+from ..models.block_file import STEP_METADATA_KEY, beside, read_step_blocks
 
 __all__ = ["GraphWeights"]
 
@@ -57,14 +57,9 @@ class GraphWeights:
             self._step_blocks(props[STEP_METADATA_KEY])
 
     def _step_blocks(self, name: str) -> dict[str, BlockWeight]:
-        if self.base is None:
-            raise UnsupportedModelError(
-                f"the model names a step file {name!r} of its folder: load it from its path "
-                "(or OrtDecoder.from_pretrained(folder)), not from bytes")
-        if os.path.basename(name) != name:
-            raise UnsupportedModelError(f"the model names a step file {name!r} outside its "
-                                        "folder")
-        path = os.path.join(self.base, name)
+        # base is the model file's folder: any file name in it will do
+        path = beside(None if self.base is None else os.path.join(self.base, "model.onnx"),
+                      name, "a step file")
         return {key: BlockWeight.from_nbits(parts)
                 for key, parts in read_step_blocks(path).items()}
 
