@@ -94,7 +94,16 @@ VNNI (``decode --batch 29``, 7 minutes)::
     llama-perplexity    2.73090   15.3467   0.3492      +0.089%  (--no-repack, same VM)
 
 (the per-output kernel in the same run setup: +0.092% and +0.137%; tiles
-with the block terms summed apart: +0.120% and +0.129%.)
+with the block terms summed apart: +0.120% and +0.129%.) The head's rows
+rounded to int8 twice, the row then what that left (the default since;
+``decode --batch 29``, same VM, 10 minutes)::
+
+    decode int8         2.73088   15.3464   0.3491      +0.089%  (KL 0.002085)
+    int8, head f32      2.73088   15.3464   0.3491      +0.089%  (KL 0.002085)
+    decode int8 head    2.73106   15.3492   0.3492      +0.096%  (KL 0.002877)
+
+(every printed digit of the twice-rounded head's NLL and KL equals the
+exact head's; decode seconds for 14,790 tokens: 99 against 113.)
     KL(float32 || int8) 0.0134 per token; same top token 93.56%
 
 The float32 decode step scores the text as the graph does (the same NLL to

@@ -281,16 +281,19 @@ def test_a_tied_engine_head_shares_its_blocks_with_the_embedding():
     np.testing.assert_array_equal(_decode_all(native, c, tokens), before)
 
 
+@pytest.mark.parametrize("shape", [(3, 6, 2), (1, 4, 1), (2, 6, 1)], ids=str)
 @pytest.mark.parametrize("window", [0, 7, 300])
-def test_attention_parallel_and_serial_agree_with_numpy(window):
+def test_attention_parallel_and_serial_agree_with_numpy(window, shape):
+    """(batch, query heads, K/V heads): fewer K/V heads than threads split a
+    K/V head's query heads between threads (Gemma 3 at batch 1)."""
     from pagedkv_np.backends import decode_ops as ops
 
     rng = np.random.default_rng(7)
-    b, heads, kv_heads, d, cap = 3, 6, 2, 32, 700
+    (b, heads, kv_heads), d, cap = shape, 32, 700
     k = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
     v = rng.standard_normal((b, kv_heads, cap, d)).astype(np.float32)
     q = (3 * rng.standard_normal((b, heads * d))).astype(np.float32)
-    positions = np.array([0, 650, 299])
+    positions = np.array([650, 0, 299])[:b]
     got = np.empty_like(q)
     ops.attend(q, heads, kv_heads, d, k, v, positions, window, np.float32(0.2), got)
     serial = np.empty_like(q)
@@ -371,7 +374,8 @@ out = np.empty_like(q)
 for step in sys.argv[2].split(","):
     if step == "parts":      # the callees alone, into the disk cache
         ops._exp_shifted(q[0].copy(), 5, np.float32(9.0), np.empty(5, np.int32))
-        ops._attend_group(0, q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)
+        ops._attend_group(0, 0, 0, heads // kv_heads, q, heads, kv_heads, d, k, v, positions, 0,
+                          np.float32(0.2), out)
     else:
         kernel = ops.attend if step == "parallel" else ops.attend_serial
         kernel(q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from numba import prange
 
 from .jit import jit_kernel
 
-__all__ = ["rms_norm", "head_norm", "rope", "write_kv", "attend", "attend_serial", "gated",
-           "float_matmul", "embed_float", "embed_blocks", "add_into", "ACT_SILU",
-           "ACT_GELU_TANH"]
+__all__ = ["rms_norm", "head_norm", "rope", "write_kv", "rope_write_kv", "attend",
+           "attend_serial", "gated", "float_matmul", "embed_float", "embed_blocks", "add_into",
+           "add_norm", "ACT_SILU", "ACT_GELU_TANH"]
 
 #: :func:`gated`'s activation codes
 ACT_SILU, ACT_GELU_TANH = 0, 1
@@ -90,6 +91,14 @@ def write_kv(k, v, num_kv_heads, head_dim, kbuf, vbuf, positions):
                 vbuf[b, h, p, i] = v[b, h * head_dim + i]
 
 
+@jit_kernel
+def rope_write_kv(q, k, v, num_heads, num_kv_heads, head_dim, cos, sin, positions, kbuf, vbuf):
+    """:func:`rope` of ``q`` and ``k``, then :func:`write_kv`: one call, the same bits."""
+    rope(q, num_heads, head_dim, cos, sin, positions)
+    rope(k, num_kv_heads, head_dim, cos, sin, positions)
+    write_kv(k, v, num_kv_heads, head_dim, kbuf, vbuf, positions)
+
+
 # exp(r) on |r| <= ln(2) / 2 as 1 + r + r^2 (c0 + c1 r + ... + c5 r^5): the
 # coefficients of Cephes' expf (relative error about 1e-7 over the range)
 _EXP_C = (5.0000001201e-1, 1.6666665459e-1, 4.1665795894e-2, 8.3334519073e-3,
@@ -147,19 +156,20 @@ def _exp_shifted(row, n, top, twos):
 
 
 @jit_kernel
-def _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
-                  scale, out):
-    """The query heads that share K/V head ``job % num_kv_heads`` of sequence
-    ``job // num_kv_heads``: each key and value is read once for all of them."""
-    b, kv = job // num_kv_heads, job % num_kv_heads
-    groups = num_heads // num_kv_heads
+def _attend_group(b, kv, lo, hi, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
+                  window, scale, out):
+    """Query heads ``lo .. hi - 1`` of those that share K/V head ``kv`` of
+    sequence ``b``: each key and value is read once for all of them. A head's
+    bits do not depend on which others share its call."""
+    groups = hi - lo
     last = positions[b]
     first = max(0, last - window + 1) if window > 0 else 0
     n = last - first + 1
     scores = np.empty((groups, n), np.float32)
     q = np.empty((groups, head_dim), np.float32)
+    base = kv * (num_heads // num_kv_heads) + lo
     for g in range(groups):
-        o = (kv * groups + g) * head_dim
+        o = (base + g) * head_dim
         for i in range(head_dim):
             q[g, i] = x[b, o + i] * np.float32(scale)
     keys, values = kbuf[b, kv], vbuf[b, kv]
@@ -183,21 +193,38 @@ def _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positio
             for i in range(head_dim):
                 acc[g, i] += p * v[i]
     for g in range(groups):
-        o = (kv * groups + g) * head_dim
+        o = (base + g) * head_dim
         for i in range(head_dim):
             out[b, o + i] = acc[g, i]
 
 
-@jit_kernel(parallel=True)
 def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale, out):
     """Each query head of ``x[b]`` attends to the keys of ``kbuf[b]`` /
     ``vbuf[b]`` at positions ``0 .. positions[b]`` (the last ``window`` of
     them when ``window > 0``): softmax of the scaled scores, then the
     weighted sum of values, into ``out[b, h * head_dim:]``. The K/V heads of
-    the batch in parallel, each with the query heads that share it."""
-    for job in prange(x.shape[0] * num_kv_heads):
-        _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
-                      window, scale, out)
+    the batch in parallel on Numba's threads, each with the query heads that
+    share it; where they are fewer than the threads (Gemma 3's one K/V head
+    at batch 1), a K/V head's query heads split into that many parts, each
+    reading its keys and values: the same bits."""
+    groups = num_heads // num_kv_heads
+    pairs = x.shape[0] * num_kv_heads
+    parts = min(groups, max(1, -(-numba.get_num_threads() // max(pairs, 1))))
+    _attend_parts(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale,
+                  out, parts)
+
+
+@jit_kernel(parallel=True)
+def _attend_parts(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale,
+                  out, parts):
+    """:func:`attend`, each K/V head's query heads in ``parts`` jobs."""
+    groups = num_heads // num_kv_heads
+    pairs = x.shape[0] * num_kv_heads
+    for job in prange(pairs * parts):
+        pair, part = job // parts, job % parts
+        _attend_group(pair // num_kv_heads, pair % num_kv_heads, part * groups // parts,
+                      (part + 1) * groups // parts, x, num_heads, num_kv_heads, head_dim,
+                      kbuf, vbuf, positions, window, scale, out)
 
 
 @jit_kernel
@@ -205,9 +232,10 @@ def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, w
                   out):
     """:func:`attend` on the calling thread (the same bits): for short pasts,
     where a parallel region costs more than it saves."""
-    for job in range(x.shape[0] * num_kv_heads):
-        _attend_group(job, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
-                      window, scale, out)
+    groups = num_heads // num_kv_heads
+    for pair in range(x.shape[0] * num_kv_heads):
+        _attend_group(pair // num_kv_heads, pair % num_kv_heads, 0, groups, x, num_heads,
+                      num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale, out)
 
 
 @jit_kernel
@@ -231,6 +259,18 @@ def add_into(x, y):
     for b in range(x.shape[0]):
         for i in range(x.shape[1]):
             x[b, i] += y[b, i]
+
+
+@jit_kernel
+def add_norm(x, y, post, weight, eps, out):
+    """A residual step in one call, the same bits as its parts: ``y`` normed
+    in place by ``post`` first unless that is empty (:func:`rms_norm`), then
+    ``x += y`` (:func:`add_into`), then ``out`` = :func:`rms_norm` of ``x`` by
+    ``weight``."""
+    if post.shape[0] != 0:
+        rms_norm(y, post, eps, y)
+    add_into(x, y)
+    rms_norm(x, weight, eps, out)
 
 
 @jit_kernel(parallel=True)

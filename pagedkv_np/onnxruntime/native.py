@@ -141,8 +141,9 @@ class _Layer:
         self.down, = _linears(init, p + "w_down", (), (inter, hidden), int8)
         self.attn_norm = init.floats(p + "attn_norm")
         self.mlp_norm = init.floats(p + "mlp_norm")
-        self.post_attn = init.floats(p + "post_attn_norm") if c.post_norms else None
-        self.post_mlp = init.floats(p + "post_mlp_norm") if c.post_norms else None
+        none = np.zeros(0, np.float32)      # add_norm's "no post-norm"
+        self.post_attn = init.floats(p + "post_attn_norm") if c.post_norms else none
+        self.post_mlp = init.floats(p + "post_mlp_norm") if c.post_norms else none
         self.window = c.window(i)
         self.cos, self.sin = tables
 
@@ -368,8 +369,11 @@ class NativeDecode:
         # heads in parallel once the pasts are long enough to pay for a parallel region
         work = int(positions.sum()) * c.num_heads * hd
         attend = ops.attend if work >= _PARALLEL_ATTENTION else ops.attend_serial
-        for layer, (kbuf, vbuf) in zip(self.layers, kv):
-            ops.rms_norm(x, layer.attn_norm, eps, h)
+        # each residual add runs with the norm after it (the next layer's, at
+        # the end the final one): fewer calls, the same bits
+        norms = [layer.attn_norm for layer in self.layers[1:]] + [self.final_norm]
+        ops.rms_norm(x, self.layers[0].attn_norm, eps, h)
+        for layer, (kbuf, vbuf), next_norm in zip(self.layers, kv, norms):
             q, k, v = self._run(layer.qkv, h, bufs, "qkv", ["q", "k", "v"])
             if layer.bias is not None:
                 qkv = np.concatenate([q, k, v], axis=1) + layer.bias
@@ -377,23 +381,16 @@ class NativeDecode:
             if layer.q_norm is not None:
                 ops.head_norm(q, c.num_heads, hd, layer.q_norm, eps)
                 ops.head_norm(k, c.num_kv_heads, hd, layer.k_norm, eps)
-            ops.rope(q, c.num_heads, hd, layer.cos, layer.sin, positions)
-            ops.rope(k, c.num_kv_heads, hd, layer.cos, layer.sin, positions)
-            ops.write_kv(k, v, c.num_kv_heads, hd, kbuf, vbuf, positions)
+            ops.rope_write_kv(q, k, v, c.num_heads, c.num_kv_heads, hd, layer.cos, layer.sin,
+                              positions, kbuf, vbuf)
             attend(q, c.num_heads, c.num_kv_heads, hd, kbuf, vbuf, positions,
                    layer.window, scale, bufs["attn"])
             o = layer.wo(bufs["attn"], bufs["o"], self._threads)
-            if layer.post_attn is not None:
-                ops.rms_norm(o, layer.post_attn, eps, o)
-            ops.add_into(x, o)
-            ops.rms_norm(x, layer.mlp_norm, eps, h)
+            ops.add_norm(x, o, layer.post_attn, layer.mlp_norm, eps, h)
             gate, up = self._run(layer.gate_up, h, bufs, "gate_up", ["gate", "up"])
             ops.gated(gate, up, self.activation, bufs["act"])
             d = layer.down(bufs["act"], bufs["down"], self._threads)
-            if layer.post_mlp is not None:
-                ops.rms_norm(d, layer.post_mlp, eps, d)
-            ops.add_into(x, d)
-        ops.rms_norm(x, self.final_norm, eps, h)
+            ops.add_norm(x, d, layer.post_mlp, next_norm, eps, h)
         if self.head is None:
             return h.copy()
         logits = self.head(h, np.empty((h.shape[0], self.head.out_features), np.float32),
