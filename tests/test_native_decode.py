@@ -284,8 +284,8 @@ def test_a_tied_engine_head_shares_its_blocks_with_the_embedding():
 @pytest.mark.parametrize("shape", [(3, 6, 2), (1, 4, 1), (2, 6, 1)], ids=str)
 @pytest.mark.parametrize("window", [0, 7, 300])
 def test_attention_parallel_and_serial_agree_with_numpy(window, shape):
-    """(batch, query heads, K/V heads): fewer K/V heads than threads split a
-    K/V head's query heads between threads (Gemma 3 at batch 1)."""
+    """(batch, query heads, K/V heads): one K/V head alone (Gemma 3 at batch
+    1) runs serially, two or more in parallel."""
     from pagedkv_np.backends import decode_ops as ops
 
     rng = np.random.default_rng(7)
@@ -374,8 +374,8 @@ out = np.empty_like(q)
 for step in sys.argv[2].split(","):
     if step == "parts":      # the callees alone, into the disk cache
         ops._exp_shifted(q[0].copy(), 5, np.float32(9.0), np.empty(5, np.int32))
-        ops._attend_group(0, 0, 0, heads // kv_heads, q, heads, kv_heads, d, k, v, positions, 0,
-                          np.float32(0.2), out)
+        ops._attend_group(0, 0, q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2),
+                          out)
     else:
         kernel = ops.attend if step == "parallel" else ops.attend_serial
         kernel(q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from numba import prange
 
@@ -156,18 +155,17 @@ def _exp_shifted(row, n, top, twos):
 
 
 @jit_kernel
-def _attend_group(b, kv, lo, hi, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
-                  window, scale, out):
-    """Query heads ``lo .. hi - 1`` of those that share K/V head ``kv`` of
-    sequence ``b``: each key and value is read once for all of them. A head's
-    bits do not depend on which others share its call."""
-    groups = hi - lo
+def _attend_group(b, kv, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                  scale, out):
+    """The query heads that share K/V head ``kv`` of sequence ``b``: each key
+    and value is read once for all of them."""
+    groups = num_heads // num_kv_heads
     last = positions[b]
     first = max(0, last - window + 1) if window > 0 else 0
     n = last - first + 1
     scores = np.empty((groups, n), np.float32)
     q = np.empty((groups, head_dim), np.float32)
-    base = kv * (num_heads // num_kv_heads) + lo
+    base = kv * groups
     for g in range(groups):
         o = (base + g) * head_dim
         for i in range(head_dim):
@@ -203,28 +201,26 @@ def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, 
     ``vbuf[b]`` at positions ``0 .. positions[b]`` (the last ``window`` of
     them when ``window > 0``): softmax of the scaled scores, then the
     weighted sum of values, into ``out[b, h * head_dim:]``. The K/V heads of
-    the batch in parallel on Numba's threads, each with the query heads that
-    share it; where they are fewer than the threads (Gemma 3's one K/V head
-    at batch 1), a K/V head's query heads split into that many parts, each
-    reading its keys and values: the same bits."""
-    groups = num_heads // num_kv_heads
-    pairs = x.shape[0] * num_kv_heads
-    parts = min(groups, max(1, -(-numba.get_num_threads() // max(pairs, 1))))
-    _attend_parts(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale,
-                  out, parts)
+    the batch in parallel, each with the query heads that share it; one K/V
+    head alone (Gemma 3 at batch 1) on the calling thread: a parallel region
+    of one job cost it 1.59 ms a layer at 4,096 positions against 1.11, and
+    its query heads split between two threads 1.72 (each part reads all the
+    keys and values, and reading them bounds it)."""
+    if x.shape[0] * num_kv_heads < 2:
+        attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                      scale, out)
+    else:
+        _attend_parallel(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                         scale, out)
 
 
 @jit_kernel(parallel=True)
-def _attend_parts(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale,
-                  out, parts):
-    """:func:`attend`, each K/V head's query heads in ``parts`` jobs."""
-    groups = num_heads // num_kv_heads
-    pairs = x.shape[0] * num_kv_heads
-    for job in prange(pairs * parts):
-        pair, part = job // parts, job % parts
-        _attend_group(pair // num_kv_heads, pair % num_kv_heads, part * groups // parts,
-                      (part + 1) * groups // parts, x, num_heads, num_kv_heads, head_dim,
-                      kbuf, vbuf, positions, window, scale, out)
+def _attend_parallel(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
+                     scale, out):
+    """:func:`attend`, a job per K/V head of each sequence."""
+    for pair in prange(x.shape[0] * num_kv_heads):
+        _attend_group(pair // num_kv_heads, pair % num_kv_heads, x, num_heads, num_kv_heads,
+                      head_dim, kbuf, vbuf, positions, window, scale, out)
 
 
 @jit_kernel
@@ -232,10 +228,9 @@ def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, w
                   out):
     """:func:`attend` on the calling thread (the same bits): for short pasts,
     where a parallel region costs more than it saves."""
-    groups = num_heads // num_kv_heads
     for pair in range(x.shape[0] * num_kv_heads):
-        _attend_group(pair // num_kv_heads, pair % num_kv_heads, 0, groups, x, num_heads,
-                      num_kv_heads, head_dim, kbuf, vbuf, positions, window, scale, out)
+        _attend_group(pair // num_kv_heads, pair % num_kv_heads, x, num_heads, num_kv_heads,
+                      head_dim, kbuf, vbuf, positions, window, scale, out)
 
 
 @jit_kernel

@@ -68,8 +68,9 @@ class NativeLinear:
     """
 
     def __init__(self, weight: BlockWeight | np.ndarray, int8: bool = False) -> None:
-        self.weight = weight
         self.int8 = int8
+        #: whether the weight is in blocks (else float32)
+        self.blocks = isinstance(weight, BlockWeight)
         if isinstance(weight, BlockWeight):
             self.in_features, self.out_features = weight.in_features, weight.out_features
         else:
@@ -77,6 +78,9 @@ class NativeLinear:
         blocks = weight if int8 and isinstance(weight, BlockWeight) else None
         self._tiles = q8_tiles(blocks) if blocks is not None and packs(blocks) else None
         self._operands = q8_operands(blocks) if blocks is not None and not self._tiles else None
+        #: the weight as given; None where its tiles are the one copy kept
+        #: (SmolLM2's body: 60 MB less resident)
+        self.weight = None if self._tiles is not None else weight
 
     def __call__(self, x: np.ndarray, out: np.ndarray, threads: int | None = None) -> np.ndarray:
         """``out[:] = x @ w`` with ``threads`` Numba threads (default: Numba's
@@ -110,7 +114,7 @@ class NativeLinear:
             block_product(x, self.weight, min(self.out_features, threads * _BLOCK_CHUNKS), out)
         else:
             chunks = min(self.out_features, threads * _CHUNKS_PER_THREAD)
-            ops.float_matmul(x, self.weight, chunks, out)
+            ops.float_matmul(x, self.weight, chunks, out)   # type: ignore[arg-type]
         return out
 
 
@@ -241,7 +245,7 @@ class NativeDecode:
 
     def float_linears(self) -> int:
         """How many of the layers' products have a float32 weight, not blocks."""
-        return sum(not isinstance(lin.weight, BlockWeight) for layer in self.layers for lin
+        return sum(not lin.blocks for layer in self.layers for lin
                    in (*layer.qkv, layer.wo, *layer.gate_up, layer.down))
 
     def threads_now(self) -> int:

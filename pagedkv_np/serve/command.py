@@ -115,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
                            "llama.cpp does, the LM head's too (fastest; not exact, "
                            "deterministic; needs the engine's own decode step). By default, for "
                            "a GGUF file, the decode step's products take int8 activations, "
-                           "the head float32 ones (its likelihood stays at llama.cpp's)")
+                           "the head's rows rounded to int8 twice, the row then what that "
+                           "left (float32's likelihood at int8's speed)")
     acts.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
                       default=None, help="float32 activations throughout (the graph "
                                          "decodes, on the file's exact weights; default: "
