@@ -285,10 +285,11 @@ class StepThreads:
     the count last chosen for any size (at first all of them); :meth:`pick`
     keeps a count for a size until the other one's recent time (the median
     of its last :attr:`WINDOW` steps) is lower by :attr:`MARGIN`. After a
-    size's first :attr:`WINDOW` steps it times :attr:`WINDOW` on the other
-    count, once (beside two busy loops from the start, SmolLM2's int8 steps
-    ran 7-21 tok/s on 2 threads that were never questioned, against 30-34
-    on one). It tries the other count again
+    size's first ``2 * WINDOW`` steps (the first ones touch new buffers and
+    run slow) it times :attr:`WINDOW` on the other count, once (beside two
+    busy loops from the start, SmolLM2's int8 steps ran 7-21 tok/s on 2
+    threads that were never questioned, against 30-34 on one). It tries the
+    other count again
 
     * while on fewer threads, every ``probe_every`` steps, so that the end
       of a load is seen;
@@ -341,6 +342,7 @@ class StepThreads:
         self._choice: dict[int, int] = {}
         self._floor: dict[int, float] = {}       # size -> best recent time on every thread
         self._trying: dict[int, int] = {}        # size -> steps left of a try of the other
+        self._seen: dict[int, int] = {}          # size -> steps before its first comparison
         self._last = self.most                   # where a size not seen yet starts
         self._steps = 0
 
@@ -361,10 +363,13 @@ class StepThreads:
         if len(mine) < self.WINDOW:
             return best
         if (size, other) not in self._times:
-            # the first comparison for this size: WINDOW steps on the other count,
-            # so that a machine busy from the start is seen at once
-            self._trying[size] = self.WINDOW - 1
-            return other
+            # the first comparison for this size, once its first WINDOW steps
+            # (first touches of new buffers) have left the window: WINDOW steps
+            # on the other count, so that a machine busy from the start is seen
+            seen = self._seen[size] = self._seen.get(size, 0) + 1
+            if seen > self.WINDOW:
+                self._trying[size] = self.WINDOW - 1
+                return other
         theirs = self._times.get((size, other), ())
         if len(theirs) == self.WINDOW and \
                 statistics.median(theirs) < (1 - self.MARGIN) * statistics.median(mine):
@@ -390,6 +395,7 @@ class StepThreads:
         self._choice.clear()
         self._floor.clear()
         self._trying.clear()
+        self._seen.clear()
         self._last = self.most
 
     def record(self, size: int, threads: int, seconds: float) -> None:

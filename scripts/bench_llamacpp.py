@@ -40,8 +40,9 @@ the two are compared text for text (llama.cpp quantizes activations to 8
 bits in its dot products, so they may part after a while).
 
 pagedkv decodes a GGUF file through the engine's own kernels with
-activations rounded to int8 per block as llama.cpp does, the LM head in
-float32, by default; ``--int8`` rounds the head's activations too
+activations rounded to int8 per block as llama.cpp does, the LM head's
+rows rounded to int8 twice (the row, then what that left: near float32),
+by default; ``--int8`` rounds the head's rows once
 (``int8_activations=True``, ``pagedkv serve --int8-activations``), and
 ``--graph-decode`` decodes float32 activations through the onnxruntime
 graph (``native_decode=False``, ``--no-native-decode``). The header line
@@ -214,7 +215,7 @@ def describe_decode(args) -> str:
     if args.int8:
         return "native, int8 activations, the head's too"
     return ("onnxruntime graph, float32" if args.graph_decode
-            else "default (native, int8 activations, the head float32)")
+            else "default (native, int8 activations, the head's rows rounded twice)")
 
 
 def start_server(kind: str, args, gguf: str) -> Server:

@@ -320,9 +320,9 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
     assert st.counts == (2, 1)
     quiet = {2: 0.010, 1: 0.030}              # a quiet machine: 2 threads faster
     picks = _steps(st, quiet, 70)
-    # 3 steps on 2, the first comparison (3 on 1), then all on 2; the quiet check
+    # 6 steps on 2, the first comparison (3 on 1), then all on 2; the quiet check
     # (every 4 * QUIET_PROBES = 64 steps): 3 steps on 1
-    assert picks == [2] * 3 + [1] * 3 + [2] * 57 + [1, 1, 1] + [2] * 4
+    assert picks == [2] * 6 + [1] * 3 + [2] * 54 + [1, 1, 1] + [2] * 4
     st.record(1, 2, 0.5)                      # one hiccup of the chosen count: no change
     assert _steps(st, quiet, 3) == [2, 2, 2]
     busy = {2: 0.200, 1: 0.030}               # the load changes: 1 thread now faster
@@ -341,7 +341,7 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
         n = close.pick(1)
         seen.append(n)
         close.record(1, n, {2: 0.0100, 1: 0.0095 + 0.0003 * (i % 3)}[n])
-    assert seen[:6] == [2, 2, 2, 1, 1, 1] and seen[6:] == [2] * 54
+    assert seen[:9] == [2] * 6 + [1] * 3 and seen[9:] == [2] * 51
     tiny = StepThreads(2, probe_every=4)      # one thread faster even when quiet
     assert _steps(tiny, {2: 0.020, 1: 0.010}, 72)[-8:].count(1) == 6    # 2 every 4th
     fixed = StepThreads(2, probe_every=1, adaptive=False)
@@ -355,15 +355,15 @@ def test_step_threads_follow_the_faster_count_and_probe_the_other():
 
 
 def test_step_threads_see_a_machine_busy_from_the_start():
-    """The first comparison: a size's first 3 steps on every thread, then 3 on
-    one, which wins from then on (before, 2 threads that no slowdown had
-    questioned were kept for 256 steps)."""
+    """The first comparison: a size's first 6 steps on every thread (3 to warm
+    up, 3 timed), then 3 on one, which wins from then on (before, 2 threads
+    that no slowdown had questioned were kept for 256 steps)."""
     from pagedkv_np.threads import StepThreads
 
     st = StepThreads(2, probe_every=4)
     seen = _steps(st, {2: 0.200, 1: 0.030}, 40)
-    assert seen[:7] == [2, 2, 2, 1, 1, 1, 1]
-    assert seen[6:].count(1) >= 24
+    assert seen[:10] == [2] * 6 + [1] * 4
+    assert seen[9:].count(1) >= 22
     assert _steps(st, {2: 0.200, 1: 0.030}, 3, size=4) == [1, 1, 1]   # the last choice
 
 
@@ -371,7 +371,7 @@ def test_step_threads_try_fewer_threads_only_when_the_steps_slow_down():
     from pagedkv_np.threads import StepThreads
 
     st = StepThreads(2, probe_every=4)
-    assert _steps(st, {2: 0.010, 1: 0.018}, 30) == [2] * 3 + [1] * 3 + [2] * 24
+    assert _steps(st, {2: 0.010, 1: 0.018}, 30) == [2] * 6 + [1] * 3 + [2] * 21
     # longer pasts: 20% slower, under SLOWDOWN: no try
     assert _steps(st, {2: 0.012, 1: 0.020}, 10) == [2] * 10
     # a slowdown that fewer threads do not help: one try, then none at that level
