@@ -279,9 +279,12 @@ class NativeDecode:
                 self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
             finally:
                 self._forced = 0
-        q = np.zeros((1, c.num_heads * c.head_dim), np.float32)
-        ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, kv[0][0], kv[0][1],
-                   np.zeros(1, np.int64), 0, np.float32(1.0), q.copy())
+        # two rows: attend's parallel form even for one K/V head (one row of
+        # Gemma 3 runs serially)
+        q = np.zeros((2, c.num_heads * c.head_dim), np.float32)
+        pair = np.zeros((2, c.num_kv_heads, 1, c.head_dim), np.float32)
+        ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, pair, pair,
+                   np.zeros(2, np.int64), 0, np.float32(1.0), q.copy())
         self.step_threads.forget()
         self.steps = 0
 
