@@ -112,12 +112,12 @@ class GraphWeights:
         ModelFolderError
             Weights whose shapes do not make ``shape`` (a foreign step file).
         """
-        found: list[BlockWeight | np.ndarray | None] = []
-        if name in self.step_blocks or not parts or not all(
-                p in self.step_blocks for p in parts):
-            found = [self.weight(name)]
-        if found == [] or found[0] is None:
-            found = [self.weight(p) for p in parts]
+        # the parts first where the step file has them all and not the whole:
+        # the graph's float32 whole is then never read
+        split = name not in self.step_blocks and bool(parts) and all(
+            p in self.step_blocks for p in parts)
+        whole = None if split else self.weight(name)
+        found = [whole] if whole is not None else [self.weight(p) for p in parts]
         if not found or any(w is None for w in found):
             raise UnsupportedModelError(f"the graph has neither {name!r} nor all of "
                                         f"{list(parts)}")
