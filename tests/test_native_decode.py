@@ -374,8 +374,9 @@ out = np.empty_like(q)
 for step in sys.argv[2].split(","):
     if step == "parts":      # the callees alone, into the disk cache
         ops._exp_shifted(q[0].copy(), 5, np.float32(9.0), np.empty(5, np.int32))
-        ops._attend_group(0, 0, q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2),
-                          out)
+        ops._attend_part(1, 0, 1, q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2),
+                         np.empty(3, np.float32), np.empty(3, np.float32),
+                         np.empty((3, d), np.float32))
     else:
         kernel = ops.attend if step == "parallel" else ops.attend_serial
         kernel(q, heads, kv_heads, d, k, v, positions, 0, np.float32(0.2), out)
