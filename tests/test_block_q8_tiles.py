@@ -63,7 +63,18 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
 
 
 CASES = [(4, 0, True), (4, 8, False), (4, "mixed", True), (8, 128, False), (8, "mixed", True),
-         (8, 0, False)]
+         (8, 0, False), (5, 16, False), (5, "mixed", True)]
+
+
+def _tile_weight(rng, bits: int, k: int, n: int, zero, offsets: bool) -> BlockWeight:
+    """:func:`_weight` in blocks of 32; ``bits`` 5: 8-bit codes all below 32
+    (Q5_0 as imported), which pack as 5 bits."""
+    if bits != 5:
+        return _weight(rng, bits, 32, k, n, zero, offsets)
+    w = _weight(rng, 8, 32, k, n, zero, offsets)
+    w.codes[:] = rng.integers(0, 32, w.codes.shape, dtype=np.uint8)
+    w.codes[0, :32] = 31                   # the largest code, and every fifth bit set
+    return w
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -71,7 +82,7 @@ CASES = [(4, 0, True), (4, 8, False), (4, "mixed", True), (8, 128, False), (8, "
 @pytest.mark.parametrize("halved", [False, True])
 def test_tiles_follow_the_order_in_any_batch(bits, zero, offsets, halved, threads):
     rng = np.random.default_rng(bits * 7 + offsets)
-    w = _weight(rng, bits, 32, 160, 41, zero, offsets)   # 41: a last tile of 9 outputs
+    w = _tile_weight(rng, bits, 160, 41, zero, offsets)   # 41: a last tile of 9 outputs
     w = _halved(w) if halved else w
     x = rng.standard_normal((6, 160)).astype(np.float32)
     before = numba.get_num_threads()
@@ -85,12 +96,14 @@ def test_tiles_follow_the_order_in_any_batch(bits, zero, offsets, halved, thread
     np.testing.assert_array_equal(np.stack(alone), got)
     # float16 lanes where exact, float32 otherwise: the same values either way
     assert (q8_tiles(w).scales.dtype == np.uint16) == halved
+    assert q8_tiles(w).bits == bits                 # 8-bit codes below 32 pack as 5 bits
+    assert q8_tiles(w).codes.nbytes == -(-41 // 16) * 160 * 2 * bits
 
 
 @pytest.mark.parametrize("bits,zero,offsets", CASES)
 def test_portable_loops_give_the_kernels_bits(bits, zero, offsets):
     rng = np.random.default_rng(3)
-    w = _weight(rng, bits, 32, 96, 37, zero, offsets)
+    w = _tile_weight(rng, bits, 96, 37, zero, offsets)
     tiles = q8_tiles(w)
     x = rng.standard_normal((5, 96)).astype(np.float32)
     q = np.empty((5, 96), np.int8)
@@ -98,20 +111,20 @@ def test_portable_loops_give_the_kernels_bits(bits, zero, offsets):
     q8_quantize(x, 8, 32, q, d, dq, sums)
     outs = [np.full((5, 37), np.nan, np.float32) for _ in range(2)]
     for gemm, out in zip((q8_tiled_gemm, q8_tiled_gemm_portable), outs):
-        gemm(q, d, dq, tiles.codes, tiles.scales, tiles.terms, bits, 2, out)
+        gemm(q, d, dq, tiles.codes, tiles.scales, tiles.terms, tiles.bits, 2, out)
     np.testing.assert_array_equal(outs[0], outs[1])
     np.testing.assert_array_equal(outs[0], _emulate(x, w))
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), blocks=st.integers(1, 20),
-       n=st.integers(1, 70), bits=st.sampled_from([4, 8]), offsets=st.booleans(),
+       n=st.integers(1, 70), bits=st.sampled_from([4, 5, 8]), offsets=st.booleans(),
        scale=st.sampled_from([1e-6, 1.0, 1e4]))
 def test_random_shapes_and_magnitudes_follow_the_order(seed, m, blocks, n, bits, offsets,
                                                        scale):
     rng = np.random.default_rng(seed)
     k = blocks * 32
-    w = _weight(rng, bits, 32, k, n, "mixed", offsets)
+    w = _tile_weight(rng, bits, k, n, "mixed", offsets)
     x = (rng.standard_normal((m, k)) * scale).astype(np.float32)
     x[rng.random((m, k)) < 0.1] = 0
     got = q8_tiled_matmul(x, w)
@@ -181,7 +194,7 @@ def test_twice_rounded_rows_follow_the_order_in_any_batch(bits, zero, offsets, t
     """y(x) + y(x's remainder), each the documented order; a row's bits do not
     depend on its batch; far nearer the exact product than int8."""
     rng = np.random.default_rng(bits * 5 + offsets)
-    w = _weight(rng, bits, 32, 160, 41, zero, offsets)
+    w = _tile_weight(rng, bits, 160, 41, zero, offsets)
     x = (rng.standard_normal((5, 160)) * np.linspace(0.1, 4, 160)).astype(np.float32)
     before = numba.get_num_threads()
     numba.set_num_threads(threads)
@@ -228,8 +241,8 @@ def test_the_kernels_without_vnni_give_the_same_bits(tmp_path, drop):
     x = rng.standard_normal((5, 160)).astype(np.float32)
     arrays, want = {"x": x, "count": np.int64(len(CASES))}, []
     for i, (bits, zero, offsets) in enumerate(CASES):
-        w = _weight(rng, bits, 32, 160, 41, zero, offsets)
-        arrays.update({f"bits{i}": np.int64(bits), f"codes{i}": w.codes, f"zeros{i}": w.zeros,
+        w = _tile_weight(rng, bits, 160, 41, zero, offsets)
+        arrays.update({f"bits{i}": np.int64(w.bits), f"codes{i}": w.codes, f"zeros{i}": w.zeros,
                        f"scales{i}": w.scales,
                        f"offsets{i}": w.offsets if offsets else np.zeros(0, np.float32)})
         want.append(q8_tiled_matmul(x, w))

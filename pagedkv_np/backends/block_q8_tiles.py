@@ -4,7 +4,8 @@
 :func:`~pagedkv_np.backends.block_q8.q8_matmul` does (each row's inputs
 rounded to int8 per block of 32 first, by the same
 :func:`~pagedkv_np.backends.block_q8.q8_quantize_row`, in input order), for
-weights of 4 or 8 bits in blocks of 32, from a copy of the weight packed so
+weights of 4 or 8 bits in blocks of 32 (8-bit codes all below 32, such as
+Q5_0's, packed as 5 bits), from a copy of the weight packed so
 that 16 outputs sit side by side (:func:`q8_tiles`, made once per weight
 object): one vector holds the 16 outputs' sums, so no output ends in a
 horizontal sum of lanes, and a group of 4 int8 inputs (one 32-bit word) is
@@ -20,7 +21,10 @@ padded with zero codes, scales and terms) and block ``b``:
   ``j``'s 4 bytes at ``64g + 4j``, byte ``i`` holding the codes of inputs
   ``32b + 8g + i`` (low nibble) and ``32b + 8g + 4 + i`` (high); 8-bit codes
   as 8 groups of 64 bytes, byte ``i`` of output ``j`` the code of input
-  ``32b + 4g + i``;
+  ``32b + 4g + i``; 5-bit codes as the 4-bit groups of their low 4 bits, then
+  8 masks of 64 bits, mask ``2g + h`` (little-endian) holding at bit ``4j +
+  i`` the fifth bit of the code whose low bits are in nibble ``h`` (0 low, 1
+  high) of byte ``64g + 4j + i``: 320 bytes a block;
 * ``scales[t]``: per block, the 16 outputs' scales;
 * ``terms[t]``: per block, the 16 outputs' ``c = offset - scale *
   float(zero)`` (without offsets ``c = -(scale * float(zero))``), rounded to
@@ -95,8 +99,11 @@ class Q8Tiles:
 
     Attributes
     ----------
-    bits, in_features, out_features : int
-    codes : ndarray, shape [tiles, K // 32 * 16 * bits], uint8
+    bits : int
+        4, 5 or 8: the packing (a weight of 8 bits whose codes are all below
+        32 packs as 5).
+    in_features, out_features : int
+    codes : ndarray, shape [tiles, 2 * K * bits], uint8
     scales : ndarray, shape [tiles, K // 32 * 16], float32 or uint16
     terms : ndarray, shape [tiles, K // 32 * 16], float32 or uint16, or [0, 0]
     """
@@ -143,16 +150,23 @@ def q8_tiles(w: BlockWeight) -> Q8Tiles:
         values = w.codes
     padded = np.zeros((tiles * TILE, blocks, 32), np.uint8)
     padded[:n] = values.reshape(n, blocks, 32)
-    if w.bits == 4:
-        groups = padded.reshape(tiles, TILE, blocks, 4, 2, 4)
+    bits = 5 if w.bits == 8 and int(values.max(initial=0)) < 32 else w.bits
+    if bits == 8:
+        codes = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    else:
+        groups = (padded & 15).reshape(tiles, TILE, blocks, 4, 2, 4)
         packed = groups[..., 0, :] | (groups[..., 1, :] << 4)   # [t, j, b, g, i]
         codes = packed.transpose(0, 2, 3, 1, 4)
-    else:
-        codes = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
+    if bits == 5:
+        fifth = (padded >> 4).reshape(tiles, TILE, blocks, 4, 2, 4)   # [t, j, b, g, h, i]
+        masks = np.packbits(fifth.transpose(0, 2, 3, 4, 1, 5).reshape(tiles, blocks, 8, 64),
+                            axis=-1, bitorder="little")
+        codes = np.concatenate([codes.reshape(tiles, blocks, 256),
+                                masks.reshape(tiles, blocks, 64)], axis=2)
     zero = w.zeros.astype(np.float32)
     product = w.scales * zero
     c = (w.offsets - product) if w.offsets is not None else -product
-    tiled = Q8Tiles(w.bits, k, n, np.ascontiguousarray(codes).reshape(tiles, -1),
+    tiled = Q8Tiles(bits, k, n, np.ascontiguousarray(codes).reshape(tiles, -1),
                     _lanes(w.scales, tiles), _lanes(c, tiles) if c.any() else _NO_TERMS)
     key = id(w)
     _TILES_BY_ID[key] = tiled
@@ -223,8 +237,10 @@ def q8_tiled_product(x: np.ndarray, tiles: Q8Tiles, threads: int, out: np.ndarra
 
 
 _KERNELS = {(bits, rows, terms): q8_tile_intrinsic(bits, rows, terms)
-            for bits in (4, 8) for rows in (1, 2, 4) for terms in (False, True)}
+            for bits in (4, 5, 8) for rows in (1, 2, 4) for terms in (False, True)}
 _k4_1, _k4_1t, _k4_2, _k4_2t, _k4_4, _k4_4t = (_KERNELS[4, r, t] for r in (1, 2, 4)
+                                                for t in (False, True))
+_k5_1, _k5_1t, _k5_2, _k5_2t, _k5_4, _k5_4t = (_KERNELS[5, r, t] for r in (1, 2, 4)
                                                 for t in (False, True))
 _k8_1, _k8_1t, _k8_2, _k8_2t, _k8_4, _k8_4t = (_KERNELS[8, r, t] for r in (1, 2, 4)
                                                 for t in (False, True))
@@ -240,6 +256,12 @@ def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
             if rows == 2:
                 return _k4_2t(codes, scales, terms, q, d, dq, t, m, scratch)
             return _k4_1t(codes, scales, terms, q, d, dq, t, m, scratch)
+        if bits == 5:
+            if rows == 4:
+                return _k5_4t(codes, scales, terms, q, d, dq, t, m, scratch)
+            if rows == 2:
+                return _k5_2t(codes, scales, terms, q, d, dq, t, m, scratch)
+            return _k5_1t(codes, scales, terms, q, d, dq, t, m, scratch)
         if rows == 4:
             return _k8_4t(codes, scales, terms, q, d, dq, t, m, scratch)
         if rows == 2:
@@ -251,6 +273,12 @@ def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
         if rows == 2:
             return _k4_2(codes, scales, terms, q, d, dq, t, m, scratch)
         return _k4_1(codes, scales, terms, q, d, dq, t, m, scratch)
+    if bits == 5:
+        if rows == 4:
+            return _k5_4(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 2:
+            return _k5_2(codes, scales, terms, q, d, dq, t, m, scratch)
+        return _k5_1(codes, scales, terms, q, d, dq, t, m, scratch)
     if rows == 4:
         return _k8_4(codes, scales, terms, q, d, dq, t, m, scratch)
     if rows == 2:
@@ -262,17 +290,22 @@ def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
 def _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
     """:func:`_tile_ir`'s values in plain loops."""
     num_blocks = d.shape[1]
-    group = 256 if bits == 4 else 512
+    group = 64 * bits
     for r in range(rows):
         for j in range(TILE):
             acc = np.float32(0.0)
             for b in range(num_blocks):
                 p = 0
                 for i in range(32):
-                    if bits == 4:
+                    if bits != 8:
                         g, within = i // 8, i % 8
                         byte = np.int64(codes[t, b * group + 64 * g + 4 * j + within % 4])
                         code = byte >> 4 if within >= 4 else byte & 15
+                        if bits == 5:
+                            bit = 4 * j + within % 4
+                            mask = codes[t, b * group + 256 + 8 * (2 * g + within // 4)
+                                         + bit // 8]
+                            code += 16 * ((np.int64(mask) >> (bit % 8)) & 1)
                     else:
                         code = np.int64(codes[t, b * group + 64 * (i // 4) + 4 * j + i % 4])
                     p += code * np.int64(q[m + r, 32 * b + i])
@@ -288,9 +321,11 @@ _tile = _tile_ir if HAS_AVX2 else _tile_portable
 
 
 @jit_kernel
-def _chunk(codes, scales, terms, q, d, dq, bits, lo, hi, out, portable):
-    """Tiles ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1."""
-    num_rows, n = out.shape
+def _chunk(codes, scales, terms, q, d, dq, bits, lo, hi, out, portable, pairs):
+    """Tiles ``lo .. hi - 1`` of every row, rows in tiles of 4, 2, 1; ``pairs``
+    (an even number of rows): rows ``2m`` and ``2m + 1`` summed into ``out[m]``
+    (one float32 addition), as they land in the same tile of rows."""
+    num_rows, n = q.shape[0], out.shape[1]
     scratch = np.empty((4, TILE), np.float32)
     for t in range(lo, hi):
         width = min(TILE, n - t * TILE)
@@ -301,9 +336,14 @@ def _chunk(codes, scales, terms, q, d, dq, bits, lo, hi, out, portable):
                 _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch)
             else:
                 _tile(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch)
-            for r in range(rows):
-                for j in range(width):
-                    out[m + r, t * TILE + j] = scratch[r, j]
+            if pairs:
+                for r in range(0, rows, 2):
+                    for j in range(width):
+                        out[(m + r) // 2, t * TILE + j] = scratch[r, j] + scratch[r + 1, j]
+            else:
+                for r in range(rows):
+                    for j in range(width):
+                        out[m + r, t * TILE + j] = scratch[r, j]
             m += rows
 
 
@@ -315,7 +355,7 @@ def q8_tiled_gemm(q, d, dq, codes, scales, terms, bits, chunks, out):
     tiles = codes.shape[0]
     for c in prange(chunks):
         _chunk(codes, scales, terms, q, d, dq, bits, c * tiles // chunks,
-               (c + 1) * tiles // chunks, out, False)
+               (c + 1) * tiles // chunks, out, False, False)
 
 
 @jit_kernel(parallel=True)
@@ -324,7 +364,7 @@ def q8_tiled_gemm_portable(q, d, dq, codes, scales, terms, bits, chunks, out):
     tiles = codes.shape[0]
     for c in prange(chunks):
         _chunk(codes, scales, terms, q, d, dq, bits, c * tiles // chunks,
-               (c + 1) * tiles // chunks, out, True)
+               (c + 1) * tiles // chunks, out, True, False)
 
 
 @jit_kernel
@@ -339,7 +379,7 @@ def _matmul(x, codes, scales, terms, bits, chunks, out):
     sums = np.empty((num_rows, blocks), np.float32)
     q8_quantize(x, 8, 32, q, d, dq, sums)
     if chunks == 0:
-        _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False)
+        _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False, False)
     else:
         q8_tiled_gemm(q, d, dq, codes, scales, terms, bits, chunks, out)
 
@@ -379,11 +419,18 @@ def _matmul2(x, codes, scales, terms, bits, chunks, out):
                     q[2 * m, 32 * b + i])
         q8_quantize(both[2 * m + 1:2 * m + 2], 8, 32, q[2 * m + 1:2 * m + 2],
                     d[2 * m + 1:2 * m + 2], dq[2 * m + 1:2 * m + 2], sums[2 * m + 1:2 * m + 2])
-    pair = np.empty((2 * num_rows, out.shape[1]), np.float32)
     if chunks == 0:
-        _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], pair, False)
+        _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False, True)
     else:
-        q8_tiled_gemm(q, d, dq, codes, scales, terms, bits, chunks, pair)
-    for m in range(num_rows):
-        for n in range(out.shape[1]):
-            out[m, n] = pair[2 * m, n] + pair[2 * m + 1, n]
+        _pair_gemm(q, d, dq, codes, scales, terms, bits, chunks, out)
+
+
+@jit_kernel(parallel=True)
+def _pair_gemm(q, d, dq, codes, scales, terms, bits, chunks, out):
+    """:func:`q8_tiled_gemm` with rows ``2m`` and ``2m + 1`` summed into
+    ``out[m]`` as each tile is done (no buffer of both rows' outputs: the
+    head's would be 2 MB a token)."""
+    tiles = codes.shape[0]
+    for c in prange(chunks):
+        _chunk(codes, scales, terms, q, d, dq, bits, c * tiles // chunks,
+               (c + 1) * tiles // chunks, out, False, True)

@@ -12,8 +12,10 @@ per block of 32 inputs,
   to every lane) and summed into the output's i32 lane, exactly: ``vpdpbusd``
   on 512 bits where the CPU Numba compiles for has AVX-512 VNNI, on two
   halves of 256 bits with AVX-VNNI, else ``maddubs`` then ``pmaddwd`` with
-  ones (4-bit codes; 8-bit codes go as their two nibbles, the high one's sum
-  shifted by 4, so that no i16 sum saturates);
+  ones (4- and 5-bit codes; 8-bit codes go as their two nibbles, the high
+  one's sum shifted by 4, so that no i16 sum saturates); a 5-bit code is its
+  nibble with 16 added where its byte's bit in a 64-bit mask is set (a masked
+  byte select on AVX-512);
 * the float part, a separate multiply and add per operation: ``acc + ((scale
   * d) * float(P) + c * dq)`` (without block terms ``acc + (scale * d) *
   float(P)``).
@@ -114,6 +116,14 @@ def _word(builder, q, at):
     return builder.bitcast(splat(builder, builder.load(ptr, align=1), _V16I), _V64B)
 
 
+def _fifth_bit(builder, codes, at):
+    """16 in each of 64 bytes whose bit is set in the 64-bit mask at
+    ``codes[at]`` (bit ``n`` for byte ``n``), else 0."""
+    ptr = builder.bitcast(builder.gep(codes, [at]), ir.IntType(64).as_pointer())
+    mask = builder.bitcast(builder.load(ptr, align=1), ir.VectorType(ir.IntType(1), 64))
+    return builder.select(mask, ir.Constant(_V64B, [16] * 64), ir.Constant(_V64B, [0] * 64))
+
+
 def _element(arrty):
     return _I16 if arrty.dtype == types.uint16 else _F32
 
@@ -125,10 +135,11 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
     :func:`~pagedkv_np.backends.block_q8_tiles.q8_tiles` makes them (``terms``
     read only when ``terms_on``); ``q`` int8 ``[M, K]`` in input order, ``d``
     and ``dq`` float32 ``[M, K // 32]``."""
-    if bits not in (4, 8):
-        raise ValueError(f"Invalid tile: needs 4 or 8 bits, got {bits}")
+    if bits not in (4, 5, 8):
+        raise ValueError(f"Invalid tile: needs 4, 5 or 8 bits, got {bits}")
     group_bytes = 64
-    groups = 4 if bits == 4 else 8
+    groups = 8 if bits == 8 else 4
+    block_bytes = 64 * bits             # 5 bits: 4 groups of nibbles, then 8 masks
 
     def typer(typingctx, codes, scales, terms, q, d, dq, t, m, out):
         sig = types.intp(codes, scales, terms, q, d, dq, types.intp, types.intp, out)
@@ -151,23 +162,27 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
             carried = [_ZERO_F] * num_rows
             b, phis, finish = counted_loop(builder, "q8_tile", ir.Constant(intp, 0),
                                            num_blocks, carried)
-            at_codes = builder.mul(b, ir.Constant(intp, groups * group_bytes))
+            at_codes = builder.mul(b, ir.Constant(intp, block_bytes))
             at_q = builder.mul(b, ir.Constant(intp, 32))
             # two partial sums per row: two independent chains of vpdpbusd
             sums = [[_ZERO_I, _ZERO_I] for _ in rows]
             for g in range(groups):
                 c = load_vector(builder, codes, builder.add(
                     at_codes, ir.Constant(intp, g * group_bytes)), _V64B)
-                if bits == 4:
+                if bits == 8:
+                    parts = [(c, 4 * g)]
+                else:
                     parts = [(builder.and_(c, ir.Constant(_V64B, [15] * 64)), 8 * g),
                              (builder.lshr(c, ir.Constant(_V64B, [4] * 64)), 8 * g + 4)]
-                else:
-                    parts = [(c, 4 * g)]
+                if bits == 5:                    # each byte's fifth bit from its mask
+                    parts = [(builder.or_(u, _fifth_bit(builder, codes, builder.add(
+                        at_codes, ir.Constant(intp, 4 * group_bytes + 8 * (2 * g + k))))),
+                        offset) for k, (u, offset) in enumerate(parts)]
                 for k, (u, offset) in enumerate(parts):
                     for r, (q, _, _) in enumerate(rows):
                         s = _word(builder, q, builder.add(at_q, ir.Constant(intp, offset)))
                         chain = (g * len(parts) + k) % 2
-                        sums[r][chain] = _dot4(builder, sums[r][chain], u, s, bits == 4)
+                        sums[r][chain] = _dot4(builder, sums[r][chain], u, s, bits != 8)
             at_lanes = builder.mul(b, ir.Constant(intp, TILE))
             scale = _lanes(builder, scales, at_lanes)
             term = _lanes(builder, terms, at_lanes) if terms_on else None
