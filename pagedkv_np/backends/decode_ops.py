@@ -133,15 +133,15 @@ def _sum(a, n):
 
 
 @jit_kernel
-def _exp_shifted(row, n, top, twos):
-    """``row[:n] = exp(row[:n] - top)`` (every value <= top): ``2^k * p(r)``
-    with ``k`` the nearest integer to ``x / ln 2``, ``p`` a polynomial on the
-    rest and ``2^k`` built from its exponent bits in ``twos`` (int32 scratch
-    of ``n`` or more); ``x`` below -87 counts as -87 (``exp(-87)`` is ~1e-38
-    of the largest term). Returns their sum (:func:`_sum`)."""
+def _exp_in_place(row, n, shift, twos):
+    """``row[:n] = exp(row[:n] - shift)``: ``2^k * p(r)`` with ``k`` the nearest
+    integer to ``x / ln 2``, ``p`` a polynomial on the rest and ``2^k`` built
+    from its exponent bits in ``twos`` (int32 scratch of ``n`` or more); ``x``
+    clamped to [-87, 88] (``exp(-87)`` is ~1e-38, ``exp(88)`` ~1.7e38). No
+    library call, so the loop vectorizes."""
     c0, c1, c2, c3, c4, c5 = _EXP_C
     for t in range(n):
-        x = max(row[t] - top, np.float32(-87.0))
+        x = min(max(row[t] - shift, np.float32(-87.0)), np.float32(88.0))
         k = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
         r = x - k * np.float32(_LN2_HI) - k * np.float32(_LN2_LO)
         poly = (((((np.float32(c5) * r + np.float32(c4)) * r + np.float32(c3)) * r
@@ -151,6 +151,13 @@ def _exp_shifted(row, n, top, twos):
     scale = twos[:n].view(np.float32)
     for t in range(n):
         row[t] *= scale[t]
+
+
+@jit_kernel
+def _exp_shifted(row, n, top, twos):
+    """``row[:n] = exp(row[:n] - top)`` (every value <= top, see
+    :func:`_exp_in_place`); returns their sum (:func:`_sum`)."""
+    _exp_in_place(row, n, top, twos)
     return _sum(row, n)
 
 
@@ -330,17 +337,26 @@ def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, w
 
 @jit_kernel
 def gated(gate, up, activation, out):
-    """``act(gate[b]) * up[b]`` (SiLU or tanh GELU)."""
-    c = np.float32(math.sqrt(2.0 / math.pi))
+    """``act(gate[b]) * up[b]``: SiLU ``g / (1 + exp(-g))``, or tanh GELU
+    written the same way, ``0.5 g (1 + tanh(u)) = g / (1 + exp(-2u))`` with
+    ``u = sqrt(2 / pi) (g + 0.044715 g^3)``; ``exp`` as
+    :func:`_exp_in_place`, so that a row's loops vectorize (Gemma 3 270M's
+    18 x 2,048 per token: 1.2 ms with the library's scalar ``tanh``)."""
+    n = gate.shape[1]
+    z = np.empty(n, np.float32)
+    twos = np.empty(n, np.int32)
+    c = np.float32(-2.0 * math.sqrt(2.0 / math.pi))
     for b in range(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            g = gate[b, i]
-            if activation == ACT_SILU:
-                a = g / (np.float32(1.0) + np.float32(math.exp(-g)))
-            else:
-                inner = c * (g + np.float32(0.044715) * g * g * g)
-                a = np.float32(0.5) * g * (np.float32(1.0) + np.float32(math.tanh(inner)))
-            out[b, i] = a * up[b, i]
+        if activation == ACT_SILU:
+            for i in range(n):
+                z[i] = -gate[b, i]
+        else:
+            for i in range(n):
+                g = gate[b, i]
+                z[i] = c * (g + np.float32(0.044715) * g * g * g)
+        _exp_in_place(z, n, np.float32(0.0), twos)
+        for i in range(n):
+            out[b, i] = gate[b, i] / (np.float32(1.0) + z[i]) * up[b, i]
 
 
 @jit_kernel
