@@ -43,13 +43,14 @@ def _codes(w: BlockWeight) -> np.ndarray:
 def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
     """The documented order in NumPy float32 (one rounding per operation)."""
     m, k = x.shape
-    nb = k // 32
+    bs = w.block_size                   # 16: each half of 32 inputs' codes a block
+    nb = k // bs
     q = np.empty((m, k), np.int8)
     d, dq, sums = (np.empty((m, nb), np.float32) for _ in range(3))
-    q8_quantize(x, 8, 32, q, d, dq, sums)
+    q8_quantize(x, 8, bs, q, d, dq, sums)
     codes = _codes(w)
-    p = np.einsum("nbi,mbi->mnb", codes.reshape(-1, nb, 32),
-                  q.astype(np.int64).reshape(m, nb, 32))
+    p = np.einsum("nbi,mbi->mnb", codes.reshape(-1, nb, bs),
+                  q.astype(np.int64).reshape(m, nb, bs))
     zs = w.scales * w.zeros.astype(np.float32)
     c = w.offsets - zs if w.offsets is not None else -zs
     acc = np.zeros((m, w.out_features), np.float32)
@@ -63,12 +64,15 @@ def _emulate(x: np.ndarray, w: BlockWeight) -> np.ndarray:
 
 
 CASES = [(4, 0, True), (4, 8, False), (4, "mixed", True), (8, 128, False), (8, "mixed", True),
-         (8, 0, False), (5, 16, False), (5, "mixed", True)]
+         (8, 0, False), (5, 16, False), (5, "mixed", True), (16, 32, False), (16, "mixed", True)]
 
 
 def _tile_weight(rng, bits: int, k: int, n: int, zero, offsets: bool) -> BlockWeight:
     """:func:`_weight` in blocks of 32; ``bits`` 5: 8-bit codes all below 32
-    (Q5_0 as imported), which pack as 5 bits."""
+    (Q5_0 as imported), which pack as 5 bits; ``bits`` 16: 8 bits in blocks of
+    16 (Q6_K as imported)."""
+    if bits == 16:
+        return _weight(rng, 8, 16, k, n, zero, offsets)
     if bits != 5:
         return _weight(rng, bits, 32, k, n, zero, offsets)
     w = _weight(rng, 8, 32, k, n, zero, offsets)
@@ -96,8 +100,9 @@ def test_tiles_follow_the_order_in_any_batch(bits, zero, offsets, halved, thread
     np.testing.assert_array_equal(np.stack(alone), got)
     # float16 lanes where exact, float32 otherwise: the same values either way
     assert (q8_tiles(w).scales.dtype == np.uint16) == halved
-    assert q8_tiles(w).bits == bits                 # 8-bit codes below 32 pack as 5 bits
-    assert q8_tiles(w).codes.nbytes == -(-41 // 16) * 160 * 2 * bits
+    packed = 8 if bits == 16 else bits              # 8-bit codes below 32 pack as 5 bits
+    assert q8_tiles(w).bits == packed
+    assert q8_tiles(w).codes.nbytes == -(-41 // 16) * 160 * 2 * packed
 
 
 @pytest.mark.parametrize("bits,zero,offsets", CASES)
@@ -107,8 +112,8 @@ def test_portable_loops_give_the_kernels_bits(bits, zero, offsets):
     tiles = q8_tiles(w)
     x = rng.standard_normal((5, 96)).astype(np.float32)
     q = np.empty((5, 96), np.int8)
-    d, dq, sums = (np.empty((5, 3), np.float32) for _ in range(3))
-    q8_quantize(x, 8, 32, q, d, dq, sums)
+    d, dq, sums = (np.empty((5, 96 // w.block_size), np.float32) for _ in range(3))
+    q8_quantize(x, 8, w.block_size, q, d, dq, sums)
     outs = [np.full((5, 37), np.nan, np.float32) for _ in range(2)]
     for gemm, out in zip((q8_tiled_gemm, q8_tiled_gemm_portable), outs):
         gemm(q, d, dq, tiles.codes, tiles.scales, tiles.terms, tiles.bits, 2, out)
@@ -118,7 +123,7 @@ def test_portable_loops_give_the_kernels_bits(bits, zero, offsets):
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), m=st.integers(1, 6), blocks=st.integers(1, 20),
-       n=st.integers(1, 70), bits=st.sampled_from([4, 5, 8]), offsets=st.booleans(),
+       n=st.integers(1, 70), bits=st.sampled_from([4, 5, 8, 16]), offsets=st.booleans(),
        scale=st.sampled_from([1e-6, 1.0, 1e4]))
 def test_random_shapes_and_magnitudes_follow_the_order(seed, m, blocks, n, bits, offsets,
                                                        scale):
@@ -139,9 +144,10 @@ def _dequantized(w: BlockWeight) -> np.ndarray:
     """float64 ``[K, N]`` of ``w``."""
     codes = _codes(w).astype(np.float64)
     rep = np.repeat
-    value = (codes - rep(w.zeros, 32, axis=1)) * rep(w.scales.astype(np.float64), 32, axis=1)
+    bs = w.block_size
+    value = (codes - rep(w.zeros, bs, axis=1)) * rep(w.scales.astype(np.float64), bs, axis=1)
     if w.offsets is not None:
-        value += rep(w.offsets.astype(np.float64), 32, axis=1)
+        value += rep(w.offsets.astype(np.float64), bs, axis=1)
     return value.T
 
 
@@ -179,13 +185,13 @@ def test_bad_input_raises_before_writing():
     assert q8_tiled_matmul(np.empty((0, 64), np.float32), w).shape == (0, 20)
 
 
-def _remainder(x: np.ndarray) -> np.ndarray:
+def _remainder(x: np.ndarray, block: int = 32) -> np.ndarray:
     """``x - d * float(q)`` of its int8 rounding per block, in float32."""
     m, k = x.shape
     q = np.empty((m, k), np.int8)
-    d, dq, sums = (np.empty((m, k // 32), np.float32) for _ in range(3))
-    q8_quantize(x, 8, 32, q, d, dq, sums)
-    return x - (np.repeat(d, 32, axis=1) * q.astype(np.float32))
+    d, dq, sums = (np.empty((m, k // block), np.float32) for _ in range(3))
+    q8_quantize(x, 8, block, q, d, dq, sums)
+    return x - (np.repeat(d, block, axis=1) * q.astype(np.float32))
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -203,7 +209,7 @@ def test_twice_rounded_rows_follow_the_order_in_any_batch(bits, zero, offsets, t
         alone = np.stack([q8x2_tiled_matmul(x[i:i + 1], w)[0] for i in range(5)])
     finally:
         numba.set_num_threads(before)
-    np.testing.assert_array_equal(got, _emulate(x, w) + _emulate(_remainder(x), w))
+    np.testing.assert_array_equal(got, _emulate(x, w) + _emulate(_remainder(x, w.block_size), w))
     np.testing.assert_array_equal(alone, got)
     exact = x.astype(np.float64) @ _dequantized(w)
     magnitude = np.abs(x).astype(np.float64) @ np.abs(_dequantized(w))
@@ -223,7 +229,7 @@ data = np.load(sys.argv[1])
 outs = {}
 for i in range(int(data["count"])):
     offs = data[f"offsets{i}"]
-    w = BlockWeight(int(data[f"bits{i}"]), 32, 160, 41, data[f"codes{i}"],
+    w = BlockWeight(int(data[f"bits{i}"]), int(data[f"block{i}"]), 160, 41, data[f"codes{i}"],
                     data[f"zeros{i}"], data[f"scales{i}"], offs if offs.size else None)
     outs[f"out{i}"] = q8_tiled_matmul(data["x"], w)
 np.savez(sys.argv[2], **outs)
@@ -242,7 +248,8 @@ def test_the_kernels_without_vnni_give_the_same_bits(tmp_path, drop):
     arrays, want = {"x": x, "count": np.int64(len(CASES))}, []
     for i, (bits, zero, offsets) in enumerate(CASES):
         w = _tile_weight(rng, bits, 160, 41, zero, offsets)
-        arrays.update({f"bits{i}": np.int64(w.bits), f"codes{i}": w.codes, f"zeros{i}": w.zeros,
+        arrays.update({f"bits{i}": np.int64(w.bits), f"block{i}": np.int64(w.block_size),
+                       f"codes{i}": w.codes, f"zeros{i}": w.zeros,
                        f"scales{i}": w.scales,
                        f"offsets{i}": w.offsets if offsets else np.zeros(0, np.float32)})
         want.append(q8_tiled_matmul(x, w))

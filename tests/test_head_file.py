@@ -68,17 +68,19 @@ def test_a_row_gets_the_same_logits_alone_and_in_a_batch(tmp_path):
 
 @pytest.mark.parametrize("kind", ["q8_0", "q6_k"])
 def test_an_int8_head_multiplies_as_its_kernel_alone_and_in_a_batch(tmp_path, kind):
-    """Q8_0 packs in tiles of 16 outputs; Q6_K (blocks of 16) takes the lane kernel."""
+    """Q8_0 and Q6_K (8 bits in blocks of 16) pack in tiles of 16 outputs."""
     from pagedkv_np.backends.block_gemv import BlockWeight
     from pagedkv_np.backends.block_q8 import q8_matmul
-    from pagedkv_np.backends.block_q8_tiles import q8_tiled_matmul
+    from pagedkv_np.backends.block_q8_tiles import packs, q8_tiled_matmul
 
     parts = _blocks(kind, rows=200).matmul_nbits()
     save_head(tmp_path / HEAD_FILE, parts)
     head = BlockHead(tmp_path / HEAD_FILE, threads=2, int8=True)
     x = np.random.default_rng(2).standard_normal((5, 256)).astype(np.float32)
-    kernel = q8_tiled_matmul if kind == "q8_0" else q8_matmul
-    want = kernel(x, BlockWeight.from_nbits(parts))
+    weight = BlockWeight.from_nbits(parts)
+    assert packs(weight)
+    want = q8_tiled_matmul(x, weight)
+    assert np.abs(want - q8_matmul(x, weight)).max() < 1e-4 * np.abs(want).max()
     np.testing.assert_array_equal(head(x), want)
     np.testing.assert_array_equal(head(x[3:4])[0], want[3])
 

@@ -5,7 +5,9 @@
 rounded to int8 per block of 32 first, by the same
 :func:`~pagedkv_np.backends.block_q8.q8_quantize_row`, in input order), for
 weights of 4 or 8 bits in blocks of 32 (8-bit codes all below 32, such as
-Q5_0's, packed as 5 bits), from a copy of the weight packed so
+Q5_0's, packed as 5 bits) or 8 bits in blocks of 16 (Q6_K's: rows rounded
+per 16, the codes packed as for blocks of 32, each half of 16 inputs then a
+block of its own below), from a copy of the weight packed so
 that 16 outputs sit side by side (:func:`q8_tiles`, made once per weight
 object): one vector holds the 16 outputs' sums, so no output ends in a
 horizontal sum of lanes, and a group of 4 int8 inputs (one 32-bit word) is
@@ -104,8 +106,10 @@ class Q8Tiles:
         32 packs as 5).
     in_features, out_features : int
     codes : ndarray, shape [tiles, 2 * K * bits], uint8
-    scales : ndarray, shape [tiles, K // 32 * 16], float32 or uint16
-    terms : ndarray, shape [tiles, K // 32 * 16], float32 or uint16, or [0, 0]
+    scales : ndarray, shape [tiles, K // block_size * 16], float32 or uint16
+    terms : ndarray, shape [tiles, K // block_size * 16], float32 or uint16, or [0, 0]
+    block_size : int
+        32, or 16 (8 bits: a scale and term per half of each 32 inputs' codes)
     """
 
     bits: int
@@ -114,6 +118,7 @@ class Q8Tiles:
     codes: np.ndarray
     scales: np.ndarray
     terms: np.ndarray
+    block_size: int = 32
 
 
 # id(weight) -> its tiles; an entry leaves with its weight
@@ -121,8 +126,10 @@ _TILES_BY_ID: dict[int, Q8Tiles] = {}
 
 
 def packs(w: BlockWeight) -> bool:
-    """Whether ``w`` packs in tiles: 4 or 8 bits in blocks of 32."""
-    return w.block_size == 32 and w.bits in (4, 8)
+    """Whether ``w`` packs in tiles: 4 or 8 bits in blocks of 32, or 8 bits in
+    blocks of 16 (Q6_K as imported) with inputs a multiple of 32."""
+    return (w.block_size == 32 and w.bits in (4, 8)) or \
+        (w.block_size == 16 and w.bits == 8 and w.in_features % 32 == 0)
 
 
 def q8_tiles(w: BlockWeight) -> Q8Tiles:
@@ -138,8 +145,9 @@ def q8_tiles(w: BlockWeight) -> Q8Tiles:
     if found is not None:
         return found
     if not packs(w):
-        raise ValueError(f"Invalid weight for tiles: needs 4 or 8 bits in blocks of 32, got "
-                         f"{w.bits} bits in blocks of {w.block_size}")
+        raise ValueError(f"Invalid weight for tiles: needs 4 or 8 bits in blocks of 32 (or 8 "
+                         f"in blocks of 16, inputs a multiple of 32), got {w.bits} bits in "
+                         f"blocks of {w.block_size}")
     n, k = w.out_features, w.in_features
     blocks, tiles = k // 32, -(-n // TILE)
     if w.bits == 4:
@@ -150,7 +158,8 @@ def q8_tiles(w: BlockWeight) -> Q8Tiles:
         values = w.codes
     padded = np.zeros((tiles * TILE, blocks, 32), np.uint8)
     padded[:n] = values.reshape(n, blocks, 32)
-    bits = 5 if w.bits == 8 and int(values.max(initial=0)) < 32 else w.bits
+    bits = 5 if w.bits == 8 and w.block_size == 32 and int(values.max(initial=0)) < 32 \
+        else w.bits
     if bits == 8:
         codes = padded.reshape(tiles, TILE, blocks, 8, 4).transpose(0, 2, 3, 1, 4)
     else:
@@ -167,7 +176,8 @@ def q8_tiles(w: BlockWeight) -> Q8Tiles:
     product = w.scales * zero
     c = (w.offsets - product) if w.offsets is not None else -product
     tiled = Q8Tiles(bits, k, n, np.ascontiguousarray(codes).reshape(tiles, -1),
-                    _lanes(w.scales, tiles), _lanes(c, tiles) if c.any() else _NO_TERMS)
+                    _lanes(w.scales, tiles), _lanes(c, tiles) if c.any() else _NO_TERMS,
+                    w.block_size)
     key = id(w)
     _TILES_BY_ID[key] = tiled
     weakref.finalize(w, _TILES_BY_ID.pop, key, None)
@@ -238,17 +248,33 @@ def q8_tiled_product(x: np.ndarray, tiles: Q8Tiles, threads: int, out: np.ndarra
 
 _KERNELS = {(bits, rows, terms): q8_tile_intrinsic(bits, rows, terms)
             for bits in (4, 5, 8) for rows in (1, 2, 4) for terms in (False, True)}
+_KERNELS.update({(16, rows, terms): q8_tile_intrinsic(8, rows, terms, halves=True)
+                 for rows in (1, 2, 4) for terms in (False, True)})
 _k4_1, _k4_1t, _k4_2, _k4_2t, _k4_4, _k4_4t = (_KERNELS[4, r, t] for r in (1, 2, 4)
                                                 for t in (False, True))
 _k5_1, _k5_1t, _k5_2, _k5_2t, _k5_4, _k5_4t = (_KERNELS[5, r, t] for r in (1, 2, 4)
                                                 for t in (False, True))
 _k8_1, _k8_1t, _k8_2, _k8_2t, _k8_4, _k8_4t = (_KERNELS[8, r, t] for r in (1, 2, 4)
                                                 for t in (False, True))
+_kh_1, _kh_1t, _kh_2, _kh_2t, _kh_4, _kh_4t = (_KERNELS[16, r, t] for r in (1, 2, 4)
+                                                for t in (False, True))
 
 
 @jit_kernel
 def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
     """The IR kernel of ``rows`` (1, 2 or 4) rows from ``m``, tile ``t``."""
+    if d.shape[1] * 16 == q.shape[1]:          # blocks of 16: a sum per half
+        if terms.shape[1] != 0:
+            if rows == 4:
+                return _kh_4t(codes, scales, terms, q, d, dq, t, m, scratch)
+            if rows == 2:
+                return _kh_2t(codes, scales, terms, q, d, dq, t, m, scratch)
+            return _kh_1t(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 4:
+            return _kh_4(codes, scales, terms, q, d, dq, t, m, scratch)
+        if rows == 2:
+            return _kh_2(codes, scales, terms, q, d, dq, t, m, scratch)
+        return _kh_1(codes, scales, terms, q, d, dq, t, m, scratch)
     if terms.shape[1] != 0:
         if bits == 4:
             if rows == 4:
@@ -289,32 +315,47 @@ def _tile_ir(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
 @jit_kernel
 def _tile_portable(codes, scales, terms, q, d, dq, bits, t, m, rows, scratch):
     """:func:`_tile_ir`'s values in plain loops."""
-    num_blocks = d.shape[1]
-    group = 64 * bits
+    half = d.shape[1] * 16 == q.shape[1]        # blocks of 16: each half a block
+    num_blocks = d.shape[1] // 2 if half else d.shape[1]
     for r in range(rows):
         for j in range(TILE):
             acc = np.float32(0.0)
             for b in range(num_blocks):
-                p = 0
-                for i in range(32):
-                    if bits != 8:
-                        g, within = i // 8, i % 8
-                        byte = np.int64(codes[t, b * group + 64 * g + 4 * j + within % 4])
-                        code = byte >> 4 if within >= 4 else byte & 15
-                        if bits == 5:
-                            bit = 4 * j + within % 4
-                            mask = codes[t, b * group + 256 + 8 * (2 * g + within // 4)
-                                         + bit // 8]
-                            code += 16 * ((np.int64(mask) >> (bit % 8)) & 1)
-                    else:
-                        code = np.int64(codes[t, b * group + 64 * (i // 4) + 4 * j + i % 4])
-                    p += code * np.int64(q[m + r, 32 * b + i])
-                at = b * TILE + j
-                v = (float32_of(scales[t, at]) * d[m + r, b]) * np.float32(p)
-                if terms.shape[1] != 0:
-                    v = v + float32_of(terms[t, at]) * dq[m + r, b]
-                acc = acc + v
+                if half:
+                    acc = acc + _unit(codes, scales, terms, q, d, dq, bits, t, m + r, j, b, 0,
+                                      16, 2 * b)
+                    acc = acc + _unit(codes, scales, terms, q, d, dq, bits, t, m + r, j, b, 16,
+                                      32, 2 * b + 1)
+                else:
+                    acc = acc + _unit(codes, scales, terms, q, d, dq, bits, t, m + r, j, b, 0,
+                                      32, b)
             scratch[r, j] = acc
+
+
+@jit_kernel
+def _unit(codes, scales, terms, q, d, dq, bits, t, row, j, b, lo, hi, unit):
+    """The value of inputs ``lo .. hi - 1`` of the 32 whose codes are block
+    ``b`` of tile ``t``, output ``j``, row ``row``, with the scale, term and
+    row scales of block ``unit`` (``b``, or a half's ``2b + h``)."""
+    group = 64 * bits
+    p = 0
+    for i in range(lo, hi):
+        if bits != 8:
+            g, within = i // 8, i % 8
+            byte = np.int64(codes[t, b * group + 64 * g + 4 * j + within % 4])
+            code = byte >> 4 if within >= 4 else byte & 15
+            if bits == 5:
+                bit = 4 * j + within % 4
+                mask = codes[t, b * group + 256 + 8 * (2 * g + within // 4) + bit // 8]
+                code += 16 * ((np.int64(mask) >> (bit % 8)) & 1)
+        else:
+            code = np.int64(codes[t, b * group + 64 * (i // 4) + 4 * j + i % 4])
+        p += code * np.int64(q[row, 32 * b + i])
+    at = unit * TILE + j
+    v = (float32_of(scales[t, at]) * d[row, unit]) * np.float32(p)
+    if terms.shape[1] != 0:
+        v = v + float32_of(terms[t, at]) * dq[row, unit]
+    return v
 
 
 _tile = _tile_ir if HAS_AVX2 else _tile_portable
@@ -372,12 +413,13 @@ def _matmul(x, codes, scales, terms, bits, chunks, out):
     """The rows quantized into new buffers, then :func:`q8_tiled_gemm`, or the
     tiles on the calling thread when ``chunks`` is 0."""
     num_rows, k = x.shape
-    blocks = k // 32
+    block = k * TILE // scales.shape[1]          # the weight's: 32, or 16
+    blocks = k // block
     q = np.empty((num_rows, k), np.int8)
     d = np.empty((num_rows, blocks), np.float32)
     dq = np.empty((num_rows, blocks), np.float32)
     sums = np.empty((num_rows, blocks), np.float32)
-    q8_quantize(x, 8, 32, q, d, dq, sums)
+    q8_quantize(x, 8, block, q, d, dq, sums)
     if chunks == 0:
         _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False, False)
     else:
@@ -403,7 +445,8 @@ def _matmul2(x, codes, scales, terms, bits, chunks, out):
     """Rows ``2m`` and ``2m + 1``: ``x[m]`` and its remainder, quantized; their
     products summed into ``out[m]``."""
     num_rows, k = x.shape
-    blocks = k // 32
+    block = k * TILE // scales.shape[1]          # the weight's: 32, or 16
+    blocks = k // block
     both = np.empty((2 * num_rows, k), np.float32)
     q = np.empty((2 * num_rows, k), np.int8)
     d = np.empty((2 * num_rows, blocks), np.float32)
@@ -411,13 +454,13 @@ def _matmul2(x, codes, scales, terms, bits, chunks, out):
     sums = np.empty((2 * num_rows, blocks), np.float32)
     for m in range(num_rows):
         both[2 * m] = x[m]
-        q8_quantize(both[2 * m:2 * m + 1], 8, 32, q[2 * m:2 * m + 1], d[2 * m:2 * m + 1],
+        q8_quantize(both[2 * m:2 * m + 1], 8, block, q[2 * m:2 * m + 1], d[2 * m:2 * m + 1],
                     dq[2 * m:2 * m + 1], sums[2 * m:2 * m + 1])
         for b in range(blocks):
-            for i in range(32):
-                both[2 * m + 1, 32 * b + i] = x[m, 32 * b + i] - d[2 * m, b] * np.float32(
-                    q[2 * m, 32 * b + i])
-        q8_quantize(both[2 * m + 1:2 * m + 2], 8, 32, q[2 * m + 1:2 * m + 2],
+            for i in range(block):
+                both[2 * m + 1, block * b + i] = x[m, block * b + i] - d[2 * m, b] * np.float32(
+                    q[2 * m, block * b + i])
+        q8_quantize(both[2 * m + 1:2 * m + 2], 8, block, q[2 * m + 1:2 * m + 2],
                     d[2 * m + 1:2 * m + 2], dq[2 * m + 1:2 * m + 2], sums[2 * m + 1:2 * m + 2])
     if chunks == 0:
         _chunk(codes, scales, terms, q, d, dq, bits, 0, codes.shape[0], out, False, True)

@@ -128,15 +128,17 @@ def _element(arrty):
     return _I16 if arrty.dtype == types.uint16 else _F32
 
 
-def q8_tile_intrinsic(bits, num_rows, terms_on):
+def q8_tile_intrinsic(bits, num_rows, terms_on, halves=False):
     """``q8_tile(codes, scales, terms, q, d, dq, t, m, out)``: writes ``out[r,
     :16]``, the outputs of tile ``t`` for the quantized row ``m + r``, ``r <
     num_rows``; ``codes``, ``scales`` and ``terms`` as
     :func:`~pagedkv_np.backends.block_q8_tiles.q8_tiles` makes them (``terms``
     read only when ``terms_on``); ``q`` int8 ``[M, K]`` in input order, ``d``
-    and ``dq`` float32 ``[M, K // 32]``."""
-    if bits not in (4, 5, 8):
-        raise ValueError(f"Invalid tile: needs 4, 5 or 8 bits, got {bits}")
+    and ``dq`` float32 ``[M, K // 32]``, or with ``halves`` (8 bits in blocks
+    of 16: each 32 inputs' codes as one block of 8-bit codes, a sum per half,
+    each half then a block of its own) ``[M, K // 16]``."""
+    if bits not in (4, 5, 8) or (halves and bits != 8):
+        raise ValueError(f"Invalid tile: needs 4, 5 or 8 bits (8 in halves), got {bits}")
     group_bytes = 64
     groups = 8 if bits == 8 else 4
     block_bytes = 64 * bits             # 5 bits: 4 groups of nibbles, then 8 masks
@@ -154,6 +156,8 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
             scales = a_scales.row(builder, t_v, _element(sig.args[1]))
             terms = a_terms.row(builder, t_v, _element(sig.args[2])) if terms_on else None
             num_blocks = builder.extract_value(a_d.shape, 1)
+            if halves:
+                num_blocks = builder.ashr(num_blocks, ir.Constant(num_blocks.type, 1))
             rows = []
             for r in range(num_rows):
                 row = builder.add(m_v, ir.Constant(intp, r))
@@ -181,22 +185,31 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
                 for k, (u, offset) in enumerate(parts):
                     for r, (q, _, _) in enumerate(rows):
                         s = _word(builder, q, builder.add(at_q, ir.Constant(intp, offset)))
-                        chain = (g * len(parts) + k) % 2
+                        chain = g // 4 if halves else (g * len(parts) + k) % 2
                         sums[r][chain] = _dot4(builder, sums[r][chain], u, s, bits != 8)
-            at_lanes = builder.mul(b, ir.Constant(intp, TILE))
-            scale = _lanes(builder, scales, at_lanes)
-            term = _lanes(builder, terms, at_lanes) if terms_on else None
-            new = []
-            for r, (_, d, dq) in enumerate(rows):
-                p = builder.sitofp(builder.add(sums[r][0], sums[r][1]), _V16F)
-                sd = builder.fmul(scale, splat(builder, builder.load(builder.gep(d, [b])),
-                                               _V16F))
-                block = builder.fmul(sd, p)
-                if terms_on:                 # the block's value before it is added
-                    dqv = splat(builder, builder.load(builder.gep(dq, [b])), _V16F)
-                    block = builder.fadd(block, builder.fmul(term, dqv))
-                new.append(builder.fadd(phis[r], block))
-            done = finish(new)
+            if halves:                       # block 2b, then 2b + 1, each its own half
+                units = [(builder.add(builder.add(b, b), ir.Constant(intp, h)), [h])
+                         for h in (0, 1)]
+            else:
+                units = [(b, [0, 1])]
+            accs = list(phis)
+            for at, chains in units:
+                at_lanes = builder.mul(at, ir.Constant(intp, TILE))
+                scale = _lanes(builder, scales, at_lanes)
+                term = _lanes(builder, terms, at_lanes) if terms_on else None
+                for r, (_, d, dq) in enumerate(rows):
+                    total = sums[r][chains[0]]
+                    for chain in chains[1:]:
+                        total = builder.add(total, sums[r][chain])
+                    p = builder.sitofp(total, _V16F)
+                    sd = builder.fmul(scale, splat(builder, builder.load(builder.gep(d, [at])),
+                                                   _V16F))
+                    block = builder.fmul(sd, p)
+                    if terms_on:             # the block's value before it is added
+                        dqv = splat(builder, builder.load(builder.gep(dq, [at])), _V16F)
+                        block = builder.fadd(block, builder.fmul(term, dqv))
+                    accs[r] = builder.fadd(accs[r], block)
+            done = finish(accs)
             for r in range(num_rows):
                 out = a_out.row(builder, ir.Constant(intp, r), _F32)
                 builder.store(done[r], builder.bitcast(out, _V16F.as_pointer()), align=4)
@@ -204,5 +217,6 @@ def q8_tile_intrinsic(bits, num_rows, terms_on):
 
         return sig, codegen
 
-    typer.__name__ = f"q8_tile{bits}_{num_rows}{'_terms' if terms_on else ''}"
+    typer.__name__ = (f"q8_tile{bits}_{num_rows}{'_terms' if terms_on else ''}"
+                      f"{'_halves' if halves else ''}")
     return intrinsic(typer)
