@@ -234,6 +234,19 @@ def _jobs(batch, num_kv_heads, positions, window, starts):
 
 
 @jit_kernel
+def _job_buffers(batch, num_heads, num_kv_heads, head_dim, positions, window):
+    """``starts`` (:func:`_jobs`), the number of jobs, and each job's ``top``,
+    ``total`` and ``acc`` (:func:`_attend_part`)."""
+    groups = num_heads // num_kv_heads
+    starts = np.empty(batch * num_kv_heads, np.int64)
+    jobs = _jobs(batch, num_kv_heads, positions, window, starts)
+    tops = np.empty((jobs, groups), np.float32)
+    totals = np.empty((jobs, groups), np.float32)
+    accs = np.empty((jobs, groups, head_dim), np.float32)
+    return starts, jobs, tops, totals, accs
+
+
+@jit_kernel
 def _run_job(job, starts, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
              scale, tops, totals, accs):
     pair = 0
@@ -306,12 +319,8 @@ def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, 
 def _attend_parallel(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
                      scale, out):
     """:func:`attend`, its jobs in parallel."""
-    groups = num_heads // num_kv_heads
-    starts = np.empty(x.shape[0] * num_kv_heads, np.int64)
-    jobs = _jobs(x.shape[0], num_kv_heads, positions, window, starts)
-    tops = np.empty((jobs, groups), np.float32)
-    totals = np.empty((jobs, groups), np.float32)
-    accs = np.empty((jobs, groups, head_dim), np.float32)
+    starts, jobs, tops, totals, accs = _job_buffers(x.shape[0], num_heads, num_kv_heads,
+                                                    head_dim, positions, window)
     for job in prange(jobs):
         _run_job(job, starts, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
                  window, scale, tops, totals, accs)
@@ -323,12 +332,8 @@ def attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, w
                   out):
     """:func:`attend` on the calling thread (the same bits): for short pasts,
     where a parallel region costs more than it saves."""
-    groups = num_heads // num_kv_heads
-    starts = np.empty(x.shape[0] * num_kv_heads, np.int64)
-    jobs = _jobs(x.shape[0], num_kv_heads, positions, window, starts)
-    tops = np.empty((jobs, groups), np.float32)
-    totals = np.empty((jobs, groups), np.float32)
-    accs = np.empty((jobs, groups, head_dim), np.float32)
+    starts, jobs, tops, totals, accs = _job_buffers(x.shape[0], num_heads, num_kv_heads,
+                                                    head_dim, positions, window)
     for job in range(jobs):
         _run_job(job, starts, x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions,
                  window, scale, tops, totals, accs)
