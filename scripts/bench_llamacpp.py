@@ -403,7 +403,10 @@ def long_messages(num_tokens: int) -> list[dict]:
 async def run_workload(base: str, workload: str, args) -> dict:
     import httpx
 
-    limits = httpx.Limits(max_connections=64)
+    # a fresh connection per request: llama-server may close an idle kept-alive
+    # one just as the next request goes out on it ("Server disconnected
+    # without sending a response"); a loopback connect is well under a millisecond
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base, timeout=1800, limits=limits,
                                  trust_env=False) as http:
         models = (await http.get("/v1/models")).json()["data"]
