@@ -405,3 +405,25 @@ def test_attention_bits_do_not_depend_on_which_process_compiled_what(tmp_path):
     want = np.load(tmp_path / "fresh_parallel.npy")
     for name in ("fresh_serial", "shared_serial", "shared_parallel"):
         np.testing.assert_array_equal(np.load(tmp_path / f"{name}.npy"), want, err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_warmup_compiles_what_a_batch_of_two_decodes_with(name):
+    """A batch's packed products leave strided parts (other kernel types than
+    one row's), and a tied head's embedding rows other arrays than the step's
+    own copy: warm-up compiles those, so no step of a server waits for Numba
+    (its first batch of several had stalled every stream for 5 s)."""
+    from pagedkv_np.backends import decode_ops as ops
+
+    c = GEOMETRIES[name]
+    model = build_decoder(c, _weights(c, "q4_1", seed=4), family="gqa")
+    decoder = OrtDecoder(model, eos_token_id=[], int8_activations=True, page_size=4,
+                         max_batch_size=2, native_decode=True)
+    kernels = {k: v for k, v in vars(ops).items() if hasattr(v, "signatures")}
+    before = {k: list(v.signatures) for k, v in kernels.items()}
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, c.vocab_size, 7 + n).tolist() for n in range(2)]
+    batch = decoder.generate(prompts, max_new_tokens=5)
+    assert decoder.native.steps > 0
+    assert {k: list(v.signatures) for k, v in kernels.items()} == before
+    assert batch == [decoder.generate([p], max_new_tokens=5)[0] for p in prompts]

@@ -241,6 +241,9 @@ class NativeDecode:
         if not all(np.array_equal(a, b) for a, b in pairs):
             return False
         self.embed = weight
+        # its arrays may differ from the own copy's in type (writeable, not
+        # read-only), so the embedding kernel compiles for them now, not in a step
+        self._embed(np.zeros(1, np.int64), np.empty((1, self.geometry.hidden_size), np.float32))
         return True
 
     def float_linears(self) -> int:
@@ -270,21 +273,24 @@ class NativeDecode:
         (one thread runs serial versions of the products), and both forms of
         attention, so that no step of a request waits for a compile."""
         c = self.geometry
-        shape = (1, c.num_kv_heads, 1, c.head_dim)
-        kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-              for _ in range(c.num_layers)]
-        for n in self.step_threads.counts:       # each count a step picks
-            self._forced = n
-            try:
-                self(np.zeros(1, np.int64), np.zeros(1, np.int64), kv)
-            finally:
-                self._forced = 0
-        # two rows: attend's parallel form even for one K/V head (one row of
-        # Gemma 3 runs serially)
-        q = np.zeros((2, c.num_heads * c.head_dim), np.float32)
-        pair = np.zeros((2, c.num_kv_heads, 1, c.head_dim), np.float32)
-        ops.attend(q, c.num_heads, c.num_kv_heads, c.head_dim, pair, pair,
-                   np.zeros(2, np.int64), 0, np.float32(1.0), q.copy())
+        # one row and two: with two, the parts of a packed product's output are
+        # strided views (other kernel types than one row's contiguous ones:
+        # compiling them in a server's first batch stalled its streams for 5 s)
+        # and attention takes its parallel form even for one K/V head
+        # (two rows that are past enough for attention's parallel path)
+        past = min(self.max_positions, -(-_PARALLEL_ATTENTION // (2 * c.num_heads
+                                                                  * c.head_dim)) + 1)
+        for rows, length in ((1, 1), (2, past)):
+            shape = (rows, c.num_kv_heads, length, c.head_dim)
+            kv = [(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+                  for _ in range(c.num_layers)]
+            positions = np.full(rows, length - 1, np.int64)
+            for n in self.step_threads.counts:       # each count a step picks
+                self._forced = n
+                try:
+                    self(np.zeros(rows, np.int64), positions, kv)
+                finally:
+                    self._forced = 0
         self.step_threads.forget()
         self.steps = 0
 
@@ -361,17 +367,21 @@ class NativeDecode:
         with self._numba_threads(b):
             return self._step(tokens, positions, kv, bufs)
 
-    def _step(self, tokens, positions, kv, bufs) -> np.ndarray:
-        c = self.geometry
-        x, h = bufs["x"], bufs["h"]
-        e = self.embed
+    def _embed(self, tokens: np.ndarray, x: np.ndarray) -> None:
+        """``x[b]`` = the embedding row of ``tokens[b]``, scaled."""
+        e, scale = self.embed, np.float32(self.geometry.embed_scale)
         if isinstance(e, BlockWeight):
             offsets = e.offsets if e.offsets is not None else np.zeros((e.out_features, 0),
                                                                         np.float32)
             ops.embed_blocks(e.codes, e.zeros, e.scales, offsets, e.bits, e.block_size,
-                             tokens, np.float32(c.embed_scale), x)
+                             tokens, scale, x)
         else:
-            ops.embed_float(e, tokens, np.float32(c.embed_scale), x)
+            ops.embed_float(e, tokens, scale, x)
+
+    def _step(self, tokens, positions, kv, bufs) -> np.ndarray:
+        c = self.geometry
+        x, h = bufs["x"], bufs["h"]
+        self._embed(tokens, x)
         eps, hd, scale = np.float32(c.rms_eps), c.head_dim, np.float32(c.query_scale)
         # heads in parallel once the pasts are long enough to pay for a parallel region
         work = int(positions.sum()) * c.num_heads * hd
