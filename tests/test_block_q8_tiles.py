@@ -183,6 +183,16 @@ def test_bad_input_raises_before_writing():
     with pytest.raises(ValueError, match="blocks of 32"):
         q8_tiled_matmul(np.zeros((1, 64), np.float32), _weight(rng, 4, 16, 64, 3, 8, False))
     assert q8_tiled_matmul(np.empty((0, 64), np.float32), w).shape == (0, 20)
+    # 8 bits in blocks of 16 pack only when the inputs fill blocks of 32
+    odd = _weight(rng, 8, 16, 48, 3, 32, False)
+    assert not packs(odd) and packs(_weight(rng, 8, 16, 64, 3, 32, False))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8_tiles(odd)
+    # the IR kernel's forms: halves take 8-bit codes only
+    from pagedkv_np.backends.block_q8_tiles_ir import q8_tile_intrinsic
+    for bits, halves in [(5, True), (4, True), (6, False)]:
+        with pytest.raises(ValueError, match="Invalid tile"):
+            q8_tile_intrinsic(bits, 1, False, halves=halves)
 
 
 def _remainder(x: np.ndarray, block: int = 32) -> np.ndarray:
