@@ -304,10 +304,10 @@ def attend(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window, 
     64); before the parts, one K/V head ran alone on one thread whatever the
     length. Parts of 128 positions beat 256 and 512 on Gemma 3's 512-position
     windows (0.105 ms against 0.126 and 0.151)."""
-    pairs = x.shape[0] * num_kv_heads
-    starts = np.empty(pairs, np.int64)
-    jobs = _jobs(x.shape[0], num_kv_heads, positions, window, starts)
-    if jobs < 2:
+    # one job: one (sequence, K/V head) pair whose past fits one part
+    single = x.shape[0] * num_kv_heads == 1 and min(
+        int(positions[0]) + 1, window if window > 0 else ATTEND_PART + 1) <= ATTEND_PART
+    if single:
         attend_serial(x, num_heads, num_kv_heads, head_dim, kbuf, vbuf, positions, window,
                       scale, out)
     else:
