@@ -205,6 +205,34 @@ def test_a_long_prompt_is_resident_once(family, alone):
     assert_idle(dec)
 
 
+def test_a_batch_holds_each_row_to_its_own_length():
+    """A long prompt joining a short stream's batch: the batch's buffers
+    hold each row's own positions, not the longest's in every row."""
+    dec = decoder("gqa", config=BIG, prefill_chunk=64)
+    short = dec.add_request([5, 6, 7], max_new_tokens=60, ignore_eos=True)
+    dec.step()
+    base = _shmem()
+    rid = dec.add_request(BIG_PROMPT, max_new_tokens=4, ignore_eos=True)
+    peaks = []
+    while dec.has_unfinished_requests():
+        decoding = bool(dec.get_output(rid))
+        dec.step()
+        if decoding and not dec.is_finished(rid):
+            peaks.append(_shmem() - base)
+    assert dec.stats["num_regathers"] >= 1 and peaks       # they decoded as a batch
+    # the pages and the batch's buffers: two copies of every position, where
+    # the short row padded to the long one's length made three of the long's
+    geometry = DecoderConfig(**BIG)
+    per_position = 2 * geometry.num_kv_heads * geometry.head_dim * 4 * geometry.num_layers
+    positions = len(BIG_PROMPT) + 4 + 3 + 60
+    # slack: a kernel page where each head's run of a buffer or a page starts and ends
+    assert max(peaks) <= 2 * positions * per_position + 96 * OS_PAGE, max(peaks)
+    assert max(peaks) < 3 * len(BIG_PROMPT) * per_position
+    assert dec.pop_output(rid) == Reference(model("gqa", **BIG)).tokens(BIG_PROMPT, 4)
+    assert dec.pop_output(short) == Reference(model("gqa", **BIG)).tokens([5, 6, 7], 60)
+    assert_idle(dec)
+
+
 # ------------------------------------------------------------- the runner
 
 
