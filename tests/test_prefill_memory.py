@@ -205,31 +205,126 @@ def test_a_long_prompt_is_resident_once(family, alone):
     assert_idle(dec)
 
 
-def test_a_batch_holds_each_row_to_its_own_length():
-    """A long prompt joining a short stream's batch: the batch's buffers
-    hold each row's own positions, not the longest's in every row."""
+def test_a_prompt_joining_a_batch_is_resident_once():
+    """A long prompt fed beside a short stream joins its batch: its row is
+    copied from the prompt's buffers, each layer handed back once copied, and
+    reaches the pages when the batch ends; the short row is held to its own
+    length, not the long one's. At every point: one copy of the long
+    prompt's K/V, where the pages and a batch padded to the longest row held
+    three (one per row, and the pages')."""
     dec = decoder("gqa", config=BIG, prefill_chunk=64)
     short = dec.add_request([5, 6, 7], max_new_tokens=60, ignore_eos=True)
     dec.step()
     base = _shmem()
+    samples: list[int] = []
+    runner, cache_write = dec._runner, dec.cache.write
+    drop = runner.drop_prompt_layer
+
+    def write(*args, **kwargs):
+        cache_write(*args, **kwargs)
+        samples.append(_shmem() - base)
+
+    def dropped(layer):
+        drop(layer)
+        samples.append(_shmem() - base)
+
+    dec.cache.write = write                       # type: ignore[method-assign]
+    runner.drop_prompt_layer = dropped            # type: ignore[method-assign]
     rid = dec.add_request(BIG_PROMPT, max_new_tokens=4, ignore_eos=True)
-    peaks = []
     while dec.has_unfinished_requests():
-        decoding = bool(dec.get_output(rid))
         dec.step()
-        if decoding and not dec.is_finished(rid):
-            peaks.append(_shmem() - base)
-    assert dec.stats["num_regathers"] >= 1 and peaks       # they decoded as a batch
-    # the pages and the batch's buffers: two copies of every position, where
-    # the short row padded to the long one's length made three of the long's
+        samples.append(_shmem() - base)
+    assert dec.stats["num_regathers"] >= 1           # they decoded as a batch
     geometry = DecoderConfig(**BIG)
-    per_position = 2 * geometry.num_kv_heads * geometry.head_dim * 4 * geometry.num_layers
-    positions = len(BIG_PROMPT) + 4 + 3 + 60
-    # slack: a kernel page where each head's run of a buffer or a page starts and ends
-    assert max(peaks) <= 2 * positions * per_position + 96 * OS_PAGE, max(peaks)
-    assert max(peaks) < 3 * len(BIG_PROMPT) * per_position
-    assert dec.pop_output(rid) == Reference(model("gqa", **BIG)).tokens(BIG_PROMPT, 4)
-    assert dec.pop_output(short) == Reference(model("gqa", **BIG)).tokens([5, 6, 7], 60)
+    per_layer = 2 * geometry.num_kv_heads * geometry.head_dim * 4
+    per_position = per_layer * geometry.num_layers
+    long = len(BIG_PROMPT) + 4
+    # one copy of the long row, the short one's twice (pages and buffer),
+    # one layer of the long row twice while it is copied or written, and a
+    # kernel page where each head's run of a buffer or a page starts and ends
+    bound = (long + 2 * 63) * per_position + long * per_layer + 96 * OS_PAGE
+    assert max(samples) <= bound, (max(samples), bound)
+    ref = Reference(model("gqa", **BIG))
+    assert dec.pop_output(rid) == ref.tokens(BIG_PROMPT, 4)
+    assert dec.pop_output(short) == ref.tokens([5, 6, 7], 60)
+    # the prompt and what it decoded reached the pages when its batch ended
+    got_k, _ = written_kv(dec, BIG_PROMPT + ref.tokens(BIG_PROMPT, 4)[:3])
+    assert len(got_k) == geometry.num_layers
+    again = dec.add_request(BIG_PROMPT + [9], max_new_tokens=2, ignore_eos=True)
+    while dec.has_unfinished_requests():
+        dec.step()
+    assert dec.status(again).num_cached_tokens == len(BIG_PROMPT)
+    assert dec.pop_output(again) == ref.tokens(BIG_PROMPT + [9], 2)
+    assert_idle(dec)
+
+
+def _joined(dec: OrtDecoder, prompt: list[int], new: int, also: list[int] | None = None
+            ) -> tuple[int, int | None]:
+    """Start a stream, then feed ``prompt`` beside it to its end: it waits in
+    the runner's buffers to join the batch (not yet in the pages). ``also``:
+    a prompt queued behind it, fed in the step its last chunk is."""
+    dec.add_request([5, 6, 7], max_new_tokens=40, ignore_eos=True)
+    dec.step()
+    rid = dec.add_request(prompt, max_new_tokens=new, ignore_eos=True)
+    other = None if also is None else dec.add_request(also, max_new_tokens=3,
+                                                      ignore_eos=True)
+    while not dec.get_output(rid):
+        dec.step()
+    if other is not None:          # fed in the same step: the first one was written
+        assert dec.get_output(other) and dec.status(rid).num_cached_tokens == 0
+    # kept, to be copied; written at once when it finished at its first token
+    # or the runner fed another prompt
+    kept = new > 1 and also is None
+    assert dec._runner.prompt_positions == (len(prompt) if kept else len(also or ()))
+    return rid, other
+
+
+def _prefix_hit(dec: OrtDecoder, prompt: list[int]) -> None:
+    """A request for ``prompt`` and a token more finds all of it cached and
+    decodes the full-recompute tokens."""
+    rid = dec.add_request(prompt + [9], max_new_tokens=2, ignore_eos=True)
+    while dec.has_unfinished_requests():
+        dec.step()
+    assert dec.status(rid).num_cached_tokens == len(prompt)
+    assert dec.pop_output(rid) == ref("gqa").tokens(prompt + [9], 2)
+
+
+@pytest.mark.parametrize("how", ["finished", "aborted", "another-prompt", "batch-fails"])
+def test_a_joining_prompt_that_does_not_join_is_written_or_recomputed(how):
+    """A prompt waiting to join a batch that it never joins (it finished at
+    its first token, was aborted, another prompt is fed, or the batch could
+    not start) reaches the pages or is computed again: never lost, never
+    served from a stale buffer."""
+    dec = decoder("gqa")
+    prompt = LONG[:150]
+    rid, other = _joined(dec, prompt, 1 if how == "finished" else 5,
+                         LONG[200:230] if how == "another-prompt" else None)
+    if how == "aborted":
+        dec.abort(rid)
+    elif how == "batch-fails":
+        start = dec._runner.start_batch
+        calls = []
+
+        def failing(*args):
+            calls.append(1)
+            if len(calls) == 1:
+                start(*args)           # part of the prompt's layers copied, then a failure
+                raise MemoryError("injected")
+            return start(*args)
+
+        dec._runner.start_batch = failing     # type: ignore[method-assign]
+    while dec.has_unfinished_requests():
+        dec.step()
+    assert dec._runner.prompt_positions == 0
+    if how == "aborted":
+        assert dec.status(rid).finish_reason == "abort"
+    else:
+        assert dec.pop_output(rid) == ref("gqa").tokens(prompt, 1 if how == "finished" else 5)
+    if how == "another-prompt":
+        assert dec.pop_output(other) == ref("gqa").tokens(LONG[200:230], 3)
+    if how == "batch-fails":
+        assert dec.stats["num_preemptions"] >= 1           # computed again
+    _prefix_hit(dec, prompt)
     assert_idle(dec)
 
 

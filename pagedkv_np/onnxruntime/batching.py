@@ -18,14 +18,21 @@ reads or releases those pages (see :mod:`pagedkv_np.onnxruntime.engine`).
 A prompt's K/V stays in the runner's prompt buffers while it is fed and
 reaches the pages after its last chunk, layer by layer, each layer's buffer
 handed back once written, so that the two copies never coexist in full.
-When nothing else runs (and the pages hold K/V in the model's own dtype),
-the prompt's buffers become its decode buffers instead; its K/V reaches the
-pages when that batch ends or changes, a waiting request is admitted, or the
-request is preempted or aborted. So a long prompt fed and decoded alone
-holds its K/V once (SmolLM2-135M, a 4,564-token prompt and 16 tokens after
-it: peak resident 714 MiB against 910 with every chunk written at once). A
-prompt given up midway (preempted, failed, interrupted) writes the chunks it
-fed first, which stay cached.
+Where the pages hold K/V in the model's own dtype, a prompt fed to its end
+is not written then: fed alone, its buffers become its decode buffers; fed
+beside running requests (a runner whose rows keep positions at their
+index), its K/V waits there and the next decode batch copies it into the
+prompt's row, handing each layer back once copied. Either way it is *held*:
+its K/V reaches the pages when that batch ends or changes, a waiting
+request is admitted, or the request is preempted or aborted (and at once
+when it finished at its first token or another prompt is fed first). So a
+long prompt holds its K/V once whether it decodes alone or among others
+(SmolLM2-135M, a 4,564-token prompt and 16 tokens after it, alone: peak
+resident 714 MiB against 910 with every chunk written at once). The other
+rows of a batch are gathered from the pages each alone, below their own
+length, so no row is padded in memory to the longest. A prompt given up
+midway (preempted, failed, interrupted) writes the chunks it fed first,
+which stay cached.
 
 When a step fails, only the requests it concerns end:
 
@@ -116,7 +123,12 @@ class Batcher:
         self._batch_rids: tuple[int, ...] | None = None
         self._batch: list[Request] = []   # the requests in the runner's buffers
         self._pending = 0                 # their decode steps not yet in the pages
-        self._adopted = False             # the batch is a prompt whose K/V is not in the pages
+        # rids of the batch's rows whose K/V is not in the pages beyond their
+        # pending steps: a prompt adopted or joined (see _feed), written when the batch ends
+        self._held: set[int] = set()
+        # a prompt fed to its end beside running requests, its K/V kept by the
+        # runner until the next batch copies it into its row (or it is written)
+        self._joining: Prefill | None = None
         # pages give back the model's own K/V bits (no int8 or float16 rounding): only
         # then may a prompt decode in its own buffers instead of what the pages return
         self._exact_pages = np.dtype(cache.dtype) == np.dtype(runner.io.dtype)
@@ -151,6 +163,8 @@ class Batcher:
             finally:
                 self.finish(req, "abort")
             return
+        if self._joining is not None and self._joining.req is req:
+            self._settle_joining()        # its prompt's K/V stays cached
         if req.seq is not None and req in self._batch:
             self.flush(ending=True)       # its decoded K/V stays cached
         if req in self.waiting:          # also where a failed flush puts it
@@ -178,6 +192,8 @@ class Batcher:
             self.finish(req, reason)
 
     def _retire_finished(self) -> None:
+        if self._joining is not None and self._joining.req.finished:
+            self._settle_joining()
         if any(r.finished for r in self.running):
             if self._batch and any(r.finished for r in self._batch):
                 self.flush(ending=True)
@@ -188,6 +204,8 @@ class Batcher:
             self.running = [r for r in self.running if not r.finished]
 
     def _preempt(self, req: Request) -> None:
+        if self._joining is not None and self._joining.req is req:
+            self._settle_joining()
         if req in self._batch:
             self.flush(ending=True)
         if req.seq is None:      # a failed flush took it out already
@@ -203,13 +221,15 @@ class Batcher:
         self._batch_rids = None
         self._batch = []
         self._pending = 0
-        self._adopted = False
+        self._held = set()
 
     def requeue_running(self) -> None:
         """After an interrupt: every running request that is not finished goes
         back to the queue, to be recomputed; K/V not yet written is never
         indexed."""
         self._close_prefill(requeue=True)
+        self._joining = None             # its K/V was never written: never indexed
+        self.runner.forget_prompt()
         for req in reversed(self.running):
             if req.seq is not None and not req.seq.is_released:
                 self.cache.release(req.seq)
@@ -243,26 +263,37 @@ class Batcher:
         self.waiting.extendleft(reversed(requeue))
 
     def flush(self, ending: bool = False) -> bool:
-        """Write the K/V of the batch's pending decode steps (and of an adopted
-        prompt) into the pages; ``ending``: the batch is not decoded again,
-        so each layer's buffers are handed back once written and the batch
-        is forgotten.
+        """Write the K/V of the batch's pending decode steps into the pages;
+        ``ending``: the batch is not decoded again, so its held rows (a
+        prompt adopted or joined, all of it past its cached prefix) are
+        written too, each layer's buffers are handed back once written and
+        the batch is forgotten. Without ``ending`` held rows wait: written
+        now, their K/V would be held twice.
 
         Returns False when that failed and the batch was dropped.
         """
-        n = self._pending
-        if not n and not self._adopted:
+        rows = [b for b, r in enumerate(self._batch) if ending or r.rid not in self._held]
+        if not rows or not (self._pending or (ending and self._held)):
             if ending:
                 self.forget_batch()
+            else:
+                self._pending = 0
             return True
         cache, runner, plan = self.cache, self.runner, None
         try:
-            plan = cache.plan([r.seq for r in self._batch])   # n new tokens per sequence
-            recent = None if self._adopted else runner.recent_kv(n)
+            # each row's new tokens: its pending steps, or a held row's whole past its prefix
+            plan = cache.plan([self._batch[b].seq for b in rows])
+            recent = None
+            if not runner.positional and not self._held:
+                recent = runner.recent_kv(self._pending)
             start, end = int(plan.context_lens[0]), int(plan.seq_lens[0])
             for layer in range(cache.num_layers):
-                # an adopted prompt: one sequence, all of it past its cached prefix
-                k, v = runner.solo_kv(layer, start, end) if recent is None else recent[layer]
+                if runner.positional:
+                    k, v = runner.rows_kv(layer, rows, plan.context_lens, plan.seq_lens)
+                elif recent is None:       # an adopted prompt: one row
+                    k, v = runner.solo_kv(layer, start, end)
+                else:
+                    k, v = recent[layer]
                 cache.write(layer, plan, k, v)
                 if ending:
                     runner.drop_batch_layer(layer)
@@ -274,7 +305,6 @@ class Batcher:
             self._drop_batch(exc)
             return False
         self._pending = 0
-        self._adopted = False
         if ending:
             self.forget_batch()
         return True
@@ -320,14 +350,23 @@ class Batcher:
         if rids != self._batch_rids or self.runner.needs_gather(max(len_list)):
             if not self.flush(ending=True):
                 return []    # the old batch was dropped; the rest decode next step
+            joining = self._joining if self._joining is not None and \
+                self._joining.req in reqs else None
             try:
-                self.runner.start_batch(_batch_gather(cache, seqs, len_list),
+                row = None if joining is None else reqs.index(joining.req)
+                self.runner.start_batch(_batch_gather(cache, seqs, len_list, self.runner, row),
                                         np.array(len_list, dtype=np.int64),
                                         self._capacity(reqs, max(len_list)))
             except Exception as exc:
                 self.forget_batch()
+                if joining is not None:
+                    self._lose_joining()
                 return self._group_failed(reqs, exc)
             self._batch_rids, self._batch = rids, list(reqs)
+            if joining is not None:       # its row holds the prompt now, not in the pages
+                self._joining = None
+                self.runner.forget_prompt()
+                self._held = {joining.req.rid}
             self.counters["num_regathers"] += 1
         lens = np.array(len_list, dtype=np.int64)
         tokens = np.array([r.generated[-1] for r in reqs], dtype=np.int64)
@@ -354,8 +393,8 @@ class Batcher:
                 self.finish(r, "error", exc)   # released with the finished ones
                 continue
             self._accept(r, token, events)
-        if self._pending >= self.write_interval and not self._adopted:
-            self.flush()     # an adopted prompt waits: written now, it would be held twice
+        if self._pending >= self.write_interval:
+            self.flush()     # held rows wait: written now, they would be held twice
         return []
 
     def _capacity(self, reqs: list[Request], longest: int) -> int:
@@ -402,10 +441,12 @@ class Batcher:
         none, no room in the batch or too few pages for its prompt."""
         if not self.waiting or len(self.running) + self.waiting[0].width > self.max_batch_size:
             return False
-        if self._adopted:
+        if self._held:
             # the prompt's pages first, as for any prompt fed before: the
             # new request may share them
             self.flush(ending=True)
+        if self._joining is not None:     # the runner feeds the new prompt instead
+            self._settle_joining()
         cache, req = self.cache, self.waiting[0]
         seq = None
         try:
@@ -444,8 +485,13 @@ class Batcher:
         start = fill.num_done
         chunk = fill.tokens[start:start + n]
         last = start + n == fill.num_tokens
-        # alone and not forked, the prompt's buffers become its decode buffers
-        adopt = last and self._exact_pages and not self.running and not req.forks
+        # alone and not forked, the prompt's buffers become its decode buffers;
+        # beside running requests, its K/V waits in them to be copied into its
+        # row of the next batch (each layer handed back once copied): held
+        # once, not in the pages and again in the batch
+        held = last and self._exact_pages and not req.forks
+        adopt = held and not self.running
+        join = held and bool(self.running) and self.runner.positional
         try:
             if not cache.can_extend(seq, n):
                 self._close_prefill(requeue=True)
@@ -459,7 +505,7 @@ class Batcher:
                                             self._capacity([req], fill.num_tokens))
             cache.extend(seq, chunk)          # reserved; written after the last chunk
             fill.num_done += n
-            if last and not adopt:
+            if last and not adopt and not join:
                 self._write_prompt(fill)
             token = req.choose(logits) if last else None
             if adopt:
@@ -481,7 +527,9 @@ class Batcher:
         req.seq = seq
         self.running.append(req)
         if adopt:
-            self._batch_rids, self._batch, self._adopted = (req.rid,), [req], True
+            self._batch_rids, self._batch, self._held = (req.rid,), [req], {req.rid}
+        if join:
+            self._joining = fill
         self.counters["num_prefills"] += 1
         self._accept(req, token, events)
         for fork, token, failure in req.start_forks(lambda: cache.fork(seq), logits, events):
@@ -492,6 +540,41 @@ class Batcher:
                 self._accept(fork, token, events)
         self._retire_finished()
         return True
+
+    def _settle_joining(self) -> None:
+        """The joining prompt does not reach a batch's row (it finished, was
+        preempted or aborted, or another prompt is fed): its K/V is written
+        into the pages, as any prompt's is, and the runner forgets it. A
+        failed write loses it: the request, if still running, is recomputed."""
+        fill, self._joining = self._joining, None
+        if fill is None:
+            return
+        try:
+            if not fill.seq.is_released:
+                self._write_prompt(fill)
+        except Exception:
+            self._lose_joining(fill)
+        finally:
+            self.runner.forget_prompt()
+
+    def _lose_joining(self, fill: Prefill | None = None) -> None:
+        """The joining prompt's K/V is gone (neither in the pages nor in a
+        batch): its request goes back to the queue, to be recomputed from
+        its tokens; one that finished keeps them."""
+        fill = fill or self._joining
+        self._joining = None
+        self.runner.forget_prompt()
+        if fill is None:
+            return
+        req = fill.req
+        if req.seq is not None and not req.seq.is_released:
+            self.cache.release(req.seq)   # its unwritten tokens are never indexed
+        req.seq = None
+        if req in self.running:
+            self.running.remove(req)
+            if not req.finished:
+                self.waiting.appendleft(req)
+                self.counters["num_preemptions"] += 1
 
     def _write_prompt(self, fill: Prefill) -> None:
         """Write the K/V of the chunks fed so far from the runner's prompt
@@ -539,7 +622,8 @@ class Batcher:
                 self.counters["num_preemptions"] += 1
 
 
-def _batch_gather(cache: PagedKVCache, seqs: list, lens: list[int]) -> Gather:
+def _batch_gather(cache: PagedKVCache, seqs: list, lens: list[int], runner: Runner,
+                  prompt_row: int | None = None) -> Gather:
     """The runner's ``gather`` of a decode batch's cached past (no new tokens).
 
     Into given buffers, each sequence is gathered alone and copied below its
@@ -549,29 +633,36 @@ def _batch_gather(cache: PagedKVCache, seqs: list, lens: list[int]) -> Gather:
     memory. A gather of the whole batch would write zeros there, and a long
     prompt joining short streams would make every row as long as its own
     (SmolLM2, 4 streams and a 4,500-token prompt: 1.1 GB of zeros).
+
+    Row ``prompt_row`` is the runner's kept prompt instead (not in the
+    pages): copied from its buffers, each layer of them handed back once
+    copied.
     """
-    if len(seqs) == 1:
-        whole = cache.plan(seqs)
-        return lambda layer, out: cache.gather(layer, whole, "BHTD", out=out, host=True)
-    plans = [cache.plan([s]) for s in seqs]
+    plans = {b: cache.plan([s]) for b, s in enumerate(seqs) if b != prompt_row}
     rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}   # a buffer per sequence, reused
     whole: list = []
 
     def gather(layer: int, out: tuple[np.ndarray, np.ndarray] | None
                ) -> tuple[np.ndarray, np.ndarray]:
-        if out is None:        # buffers of the gather's own (OptimumRunner)
+        if out is None:        # buffers of the gather's own (OptimumRunner: no prompt row)
             if not whole:
                 whole.append(cache.plan(seqs))
             return cache.gather(layer, whole[0], "BHTD", host=True)
-        for b, (plan, n) in enumerate(zip(plans, lens)):
-            if not n:
-                continue
-            if b not in rows:
-                shape = (1, out[0].shape[1], n, out[0].shape[3])
-                rows[b] = (np.empty(shape, out[0].dtype), np.empty(shape, out[1].dtype))
-            k, v = cache.gather(layer, plan, "BHTD", out=rows[b], host=True)
-            out[0][b, :, :n] = k[0]
-            out[1][b, :, :n] = v[0]
+        for b, n in enumerate(lens):
+            if b == prompt_row:
+                k, v = runner.prompt_kv(layer, 0, n)
+                out[0][b, :, :n] = k.transpose(1, 0, 2)
+                out[1][b, :, :n] = v.transpose(1, 0, 2)
+                runner.drop_prompt_layer(layer)
+            elif len(seqs) == 1:
+                cache.gather(layer, plans[b], "BHTD", out=out, host=True)
+            elif n:
+                if b not in rows:
+                    shape = (1, out[0].shape[1], n, out[0].shape[3])
+                    rows[b] = (np.empty(shape, out[0].dtype), np.empty(shape, out[1].dtype))
+                k, v = cache.gather(layer, plans[b], "BHTD", out=rows[b], host=True)
+                out[0][b, :, :n] = k[0]
+                out[1][b, :, :n] = v[0]
         return out
 
     return gather

@@ -298,6 +298,41 @@ class Runner:
         ``longest`` cached ones."""
         return False
 
+    #: whether a row's buffer index is its position (:meth:`rows_kv` works, and
+    #: a prompt's K/V may be copied into a batch's row before it is in the pages)
+    positional = False
+
+    def rows_kv(self, layer: int, rows: list[int], starts: np.ndarray,
+                ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """K/V of ``layer`` at positions ``[starts[i], ends[i])`` of the
+        decode batch's row ``rows[i]``, concatenated in that order.
+
+        Returns
+        -------
+        k, v : ndarray, shape [sum(ends - starts), num_kv_heads, head_dim]
+
+        Raises
+        ------
+        ConfigError
+            The runner is not :attr:`positional`, or a range lies outside a
+            row's buffer.
+        """
+        if not self.positional:
+            raise ConfigError(f"Invalid rows_kv: {type(self).__name__} does not keep "
+                              f"a row's positions at their index")
+        k, v = self._batch_layer(layer)
+        parts_k, parts_v = [], []
+        for b, start, end in zip(rows, starts.tolist(), ends.tolist()):
+            if not (0 <= b < k.shape[0] and 0 <= start <= end <= k.shape[2]):
+                raise ConfigError(f"Invalid rows_kv: positions [{start}, {end}) of row {b} "
+                                  f"of a batch of {k.shape[0]} over {k.shape[2]} positions")
+            parts_k.append(k[b, :, start:end].transpose(1, 0, 2))
+            parts_v.append(v[b, :, start:end].transpose(1, 0, 2))
+        if not parts_k:
+            empty = np.zeros((0, k.shape[1], k.shape[3]), k.dtype)
+            return empty, empty.copy()
+        return np.concatenate(parts_k), np.concatenate(parts_v)
+
     def reset(self) -> None:
         """Forget the decode batch (its buffers are dropped)."""
 
@@ -406,6 +441,8 @@ class GqaRunner(Runner):
         self._inputs: tuple = ()
         self._next: np.ndarray | None = None
         self.capacity = 0
+
+    positional = True
 
     def needs_gather(self, longest: int) -> bool:
         return longest + 1 > self.capacity
