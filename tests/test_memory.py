@@ -5,11 +5,12 @@ the array, and a size that cannot be mapped is a MemoryError."""
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
 import pytest
 
-from pagedkv_np.memory import LAZY_MIN_BYTES, lazy_zeros
+from pagedkv_np.memory import LAZY_MIN_BYTES, lazy_zeros, trim_heap
 
 
 def _resident_mib() -> float:
@@ -41,3 +42,24 @@ def test_small_buffers_and_other_shapes():
 def test_a_size_that_cannot_be_mapped_is_a_memory_error():
     with pytest.raises(MemoryError, match="cannot map"):
         lazy_zeros((2**40, 2**20), np.float32)
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_trim_heap_hands_back_what_was_freed_inside_the_heap():
+    # 64 KiB blocks come from the heap (under malloc's mmap threshold); one
+    # kept after them pins the heap's top, so free() alone returns nothing
+    blocks = [np.ones(1 << 14, np.float32) for _ in range(1600)]     # 100 MiB
+    pin = np.ones(1 << 14, np.float32)
+    del blocks
+    before = _rss_anon()
+    assert trim_heap()
+    assert before - _rss_anon() > 50 << 20
+    assert pin.sum() == 1 << 14

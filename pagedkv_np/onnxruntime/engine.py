@@ -53,6 +53,7 @@ from ..cache import PagedKVCache
 from ..errors import ConfigError, DTypeError, PagedKVError
 from ..checks import check_positive_int, shown
 from ..layout import resolve_dtype
+from ..memory import trim_heap
 from ..models.block_file import beside
 from ..models.geometry import geometry_from_json
 from ..quant import resolve_quant
@@ -349,6 +350,7 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                                 self.max_batch_size, self.write_interval, self.max_positions,
                                 self._counters, chunks,
                                 two_fed=native is not None and native.int8)
+        trim_heap()     # what loading read and copied into other layouts, freed
 
     def __repr__(self) -> str:
         cache = self.cache

@@ -18,6 +18,7 @@ import threading
 from typing import Any
 
 from ..errors import PagedKVError
+from ..memory import trim_heap
 from .protocol import APIError
 from .tools import ToolRequest, call_grammar
 
@@ -110,6 +111,9 @@ def warm_grammar(decoder: Any) -> threading.Thread | None:
             _ = decoder.grammar_tokenizer
         except Exception as exc:   # requests then meet the same error, as a 400
             _log.warning("the grammar vocabulary could not be built: %s", exc)
+        # parsing the tokenizer's JSON left freed memory in the heap (SmolLM2:
+        # 18 of the 53 MiB the vocabulary took)
+        trim_heap()
 
     thread = threading.Thread(target=build, name="pagedkv-grammar", daemon=True)
     thread.start()
