@@ -116,6 +116,7 @@ class TestEngineLimits:
     (["--redis-url", "redis://127.0.0.1:1"], "PAGEDKV_HASH_SECRET"),
     (["--max-model-len", "0"], "--max-model-len"),
     (["--max-context", "0"], "--max-context"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be >= 1, got 0"),
     (["--kv-dtype", "int4"], "--kv-dtype"),
     (["--accuracy-level", "3"], "--accuracy-level"),
     (["--weights", "q2"], "--weights"),
@@ -365,6 +366,30 @@ def test_decode_flags_reach_the_engine(tmp_path, monkeypatch, flags, int8):
         assert isinstance(step, NativeDecode) and step.int8 is int8
         assert describe_decode(decoder) == ("native int8" if int8 else "native")
     assert len(decoder.generate([[1, 2, 3]], max_new_tokens=4)[0]) == 4
+
+
+def test_prefill_chunk_reaches_the_engine(tmp_path, monkeypatch):
+    """--prefill-chunk: a prompt fed beside a decoding request takes as many
+    steps as chunks of that size."""
+    from test_gguf_import import write_gguf
+
+    from pagedkv_np.serve.command import load_decoder, parse_args
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path)
+    monkeypatch.setenv("PAGEDKV_CACHE_DIR", str(tmp_path / "cache"))
+    chunks = {}
+    for size in (8, 20):
+        decoder = load_decoder(parse_args([str(path), "--num-pages", "16", "--threads", "1",
+                                           "--prefill-chunk", str(size)]))
+        decoder.add_request([1, 2, 3], max_new_tokens=60, ignore_eos=True)
+        decoder.step()
+        before = decoder.stats["num_prefill_chunks"]
+        rid = decoder.add_request(list(range(1, 41)), max_new_tokens=2, ignore_eos=True)
+        while not decoder.get_output(rid):
+            decoder.step()
+        chunks[size] = decoder.stats["num_prefill_chunks"] - before
+    assert chunks == {8: 5, 20: 2}
 
 
 def test_int8_activations_on_a_graph_the_engine_cannot_decode_exit_2(tmp_path):

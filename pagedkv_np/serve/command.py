@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="tokens per page (default 16)")
     p.add_argument("--max-batch-size", type=int, default=8,
                    help="most requests decoded together (default 8)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prompt tokens a step feeds while other requests decode: smaller "
+                        "keeps their streams' pauses shorter, larger gets the new prompt's "
+                        "first token sooner (default 64; a prompt alone is fed 512 at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for their first token; more get 429 "
                         "(default 64)")
@@ -222,7 +226,8 @@ def _pool_and_tier_problem(args: Any) -> str | None:
     if args.num_pages is not None and args.kv_cache_memory is not None:
         return "give --num-pages or --kv-cache-memory, not both"
     for flag, value in (("--max-model-len", args.max_model_len),
-                        ("--max-context", args.max_context)):
+                        ("--max-context", args.max_context),
+                        ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and value < 1:
             return f"{flag} must be >= 1, got {value}"
     try:
@@ -335,7 +340,7 @@ def load_decoder(args: Any) -> Any:
         extra["max_positions"] = min(args.max_model_len, folder.context_length)
     return OrtDecoder.from_pretrained(
         folder.path, num_pages=num_pages, page_size=args.page_size,
-        max_batch_size=args.max_batch_size,
+        max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk,
         enable_prefix_caching=not args.no_prefix_caching,
         threads=thread_budget_of(args), kv_dtype=args.kv_dtype,
         native_decode=True if args.native_decode else False if args.no_native_decode else None,
