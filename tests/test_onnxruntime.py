@@ -195,7 +195,7 @@ def test_gathers_only_when_the_batch_changes(family, monkeypatch):
     stats = dec.stats
     assert stats["num_decode_steps"] == NEW - 1
     assert stats["num_regathers"] == 1                 # once, when the batch formed
-    # each layer once; a gqa batch's rows each alone (see batching._batch_gather),
+    # each layer once; a gqa batch's rows each alone (see batch_gather.batch_gather),
     # but the last prompt fed, whose row is copied from the runner's buffers
     rows = len(prompts) - 1 if family == "gqa" else 1
     assert sorted(gathers) == sorted(list(range(CONFIG.num_layers)) * rows)
