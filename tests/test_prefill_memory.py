@@ -279,14 +279,14 @@ def _joined(dec: OrtDecoder, prompt: list[int], new: int, also: list[int] | None
     return rid, other
 
 
-def _prefix_hit(dec: OrtDecoder, prompt: list[int]) -> None:
+def _prefix_hit(dec: OrtDecoder, prompt: list[int], family: str = "gqa") -> None:
     """A request for ``prompt`` and a token more finds all of it cached and
     decodes the full-recompute tokens."""
     rid = dec.add_request(prompt + [9], max_new_tokens=2, ignore_eos=True)
     while dec.has_unfinished_requests():
         dec.step()
     assert dec.status(rid).num_cached_tokens == len(prompt)
-    assert dec.pop_output(rid) == ref("gqa").tokens(prompt + [9], 2)
+    assert dec.pop_output(rid) == ref(family).tokens(prompt + [9], 2)
 
 
 @pytest.mark.parametrize("how", ["finished", "aborted", "another-prompt", "batch-fails"])
@@ -325,6 +325,38 @@ def test_a_joining_prompt_that_does_not_join_is_written_or_recomputed(how):
     if how == "batch-fails":
         assert dec.stats["num_preemptions"] >= 1           # computed again
     _prefix_hit(dec, prompt)
+    assert_idle(dec)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_finished_requests_kv_is_written_by_the_next_step(family):
+    """The step that gives a request its last token does not also write its
+    K/V (a prompt decoded alone: all of it); the next step (or ``settle``)
+    does, then releases its pages, and its prefix is cached."""
+    dec = decoder(family)
+    prompt = LONG[:150]
+    writes: list[int] = []
+    cache_write = dec.cache.write
+
+    def write(layer, *args, **kwargs):
+        writes.append(layer)
+        cache_write(layer, *args, **kwargs)
+
+    dec.cache.write = write                       # type: ignore[method-assign]
+    rid = dec.add_request(prompt, max_new_tokens=4, ignore_eos=True)
+    while not dec.is_finished(rid):
+        writes.clear()
+        dec.step()
+    assert writes == []                           # the finishing step wrote nothing
+    assert dec.has_unfinished_requests() and dec.stats["pages_used"] > 0
+    assert dec.pop_output(rid) == ref(family).tokens(prompt, 4)
+    if family == "gqa":
+        dec.step()
+    else:
+        dec.settle()
+    assert writes == list(range(dec.cache.num_layers))
+    assert not dec.has_unfinished_requests() and dec.stats["pages_used"] == 0
+    _prefix_hit(dec, prompt, family)
     assert_idle(dec)
 
 

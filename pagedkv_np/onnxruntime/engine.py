@@ -418,11 +418,20 @@ class OrtDecoder(RequestAPI, TextGenerationMixin):
                     self._incoming.remove(req)
             self._batcher.abort(req)
 
+    def settle(self) -> None:
+        """Write the K/V of the requests that finished in the last step into
+        the pages now and release theirs. A step does it first, so that a
+        request's last token does not wait for it; call this when no step
+        follows soon (the blocking calls do, before they return)."""
+        with self._step_lock, self.threads.kernels():
+            self._batcher.settle()
+
     def has_unfinished_requests(self) -> bool:
         with self._lock:
             batcher = self._batcher
+            # retiring: finished, their K/V written into the pages by the next step
             return bool(self._incoming or batcher.waiting or batcher.running
-                        or batcher.prefilling is not None)
+                        or batcher.prefilling is not None or batcher.retiring)
 
     def _get(self, request_id: Any) -> Request:
         req = self._requests.get(check_request_id(request_id))

@@ -49,6 +49,8 @@ class RequestAPI:
     if TYPE_CHECKING:
         def step(self) -> StepEvents: ...
 
+        def settle(self) -> None: ...
+
         def pop_output(self, request_id: int) -> list[int]: ...
 
         def abort(self, request_id: int) -> None: ...
@@ -324,6 +326,7 @@ class RequestAPI:
                 failed = next((r for r in reqs if r.error is not None), None)
                 if failed is not None:
                     raise failed.error   # type: ignore[misc]
+                self.settle()      # their K/V into the pages, now
             except BaseException:
                 self._forget(reqs)
                 raise

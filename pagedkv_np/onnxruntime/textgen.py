@@ -50,6 +50,8 @@ class TokenEngine(Protocol):
 
     def step(self) -> Any: ...
 
+    def settle(self) -> None: ...
+
     def is_finished(self, request_id: int) -> bool: ...
 
     def get_output(self, request_id: int) -> list[int]: ...
@@ -133,6 +135,7 @@ class TextIterator:
         elif status.finished:
             if status.error is not None:
                 self._end("error")
+                dec.settle()
                 raise status.error
             delta += self._stream.finish()
             self._end(status.finish_reason or "stop")
@@ -148,6 +151,7 @@ class TextIterator:
             if delta:
                 return delta
             if self.finish_reason is not None:
+                self.decoder.settle()      # its K/V into the pages, after its last text
                 raise StopIteration
             self.decoder.step()
 
@@ -288,6 +292,7 @@ class TextGenerationMixin:
         finally:
             for it in its:
                 it.close()
+            self._decoder().settle()
 
     def _text_prompts(self, prompt: Any) -> tuple[list[np.ndarray], bool]:
         codec = self._codec()
