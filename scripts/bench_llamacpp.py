@@ -206,9 +206,10 @@ def engine_options(args) -> dict[str, Any]:
 
 def serve_flags(args) -> list[str]:
     """The same options as ``pagedkv serve`` flags."""
+    chunk = [] if args.prefill_chunk is None else ["--prefill-chunk", str(args.prefill_chunk)]
     if args.graph_decode:
-        return ["--no-native-decode"]
-    return ["--int8-activations"] if args.int8 else []
+        return ["--no-native-decode", *chunk]
+    return ["--int8-activations", *chunk] if args.int8 else chunk
 
 
 def describe_decode(args) -> str:
@@ -544,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-tokens", type=int, default=4500)
     parser.add_argument("--stream-tokens", type=int, default=400)
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="pagedkv serve --prefill-chunk (default: the server's)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--version", default=VERSION, help="of the llama-cpp-python sdist")
     parser.add_argument("--jobs", type=int, default=2, help="build jobs")
