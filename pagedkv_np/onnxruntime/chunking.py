@@ -12,22 +12,24 @@ chunks of ``n``::
     the prompt's time to its first token        ~ N / n * (2 t_decode + n t_token)
 
 Small chunks keep the running requests going, large ones the prompt's own
-wait short; neither gets both. Measured with ``scripts/bench_prefill.py``
-(SmolLM2-135M q4, 2 cores, load average 1.5-5 from other jobs; a
-4,818-token prompt arriving while 4 streams decode at a 59-71 ms median
-gap; p99 of their gaps while it is fed, over that median, and its time to
-first token; medians of 2 rounds, two runs)::
+wait short; neither gets both. Measured over HTTP (``pagedkv serve``,
+SmolLM2-135M Q4_1, 2 cores, ``scripts/bench_llamacpp.py``'s inter-token gap
+workload: a 4,500-token prompt arriving while 4 streams decode at a 24 ms
+median gap; medians of 2 interleaved rounds beside the prompt alone, whose
+first token came after 18.9 s)::
 
-    chunk           streams' p99 gap    prompt TTFT
-    16 tokens       305 ms (4.7x)       64.2 s
-    32 tokens       562 ms (9.6x)       49.7 s
-    64 tokens       645 ms (9.2x)       32.0 s   (the default)
-    128 tokens     1330 ms (20.8x)      27.3 s
-    whole prompt    26.3 s (371x)       26.3 s   (before chunking)
+    chunk        streams' gap while it is fed     prompt TTFT
+                 p50       p99 (p99 / p50)
+    64 tokens    332 ms    540 ms (1.6x)          21.8 s (+15%)
+    128 tokens   527 ms    824 ms (1.6x)          16.9 s (-10%)   (the default)
 
-``prefill_chunk`` (default :data:`DEFAULT_PREFILL_CHUNK`) sets ``n``: 64
-keeps the prompt's wait within 22% of a whole-prompt prefill while the
-others' longest gap is 0.6 s instead of 26 s. A chunk sized from measured
+``prefill_chunk`` (default :data:`DEFAULT_PREFILL_CHUNK`) sets ``n``: 128
+keeps the prompt's first token as soon as when it is fed alone (within the
+two rounds' spread), while the streams go on at about 2 tokens a second
+instead of stopping for the whole prefill (llama-server's streams waited
+12.6 s at the median in the same workload). 64 shortens their pauses by a
+third and costs the prompt 15%; 16 or 32 (earlier measurements: 4.7x and 9.6x
+their median gap at p99) make its wait 2-2.5x. A chunk sized from measured
 step times (to take two decode steps) did worse on both counts (6.8x,
 122 s): the first cost of a call does not shrink with the chunk, and the
 times it steered by were noisy.
@@ -62,7 +64,7 @@ __all__ = ["ChunkBudget", "Prefill", "DEFAULT_PREFILL_CHUNK", "SOLO_PREFILL_CHUN
            "TILE_ROWS", "chunk_rows"]
 
 #: Prompt tokens a step feeds while requests decode (``prefill_chunk``).
-DEFAULT_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_CHUNK = 128
 
 #: Prompt tokens a step feeds with no request decoding: a 4,818-token prompt
 #: in chunks of 512 took 87.5 s against 100.9 s in one call (and 88.9 s in

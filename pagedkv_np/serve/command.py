@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
                    help="prompt tokens a step feeds while other requests decode: smaller "
                         "keeps their streams' pauses shorter, larger gets the new prompt's "
-                        "first token sooner (default 64; a prompt alone is fed 512 at a time)")
+                        "first token sooner (default 128; a prompt alone is fed 512 at a time)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for their first token; more get 429 "
                         "(default 64)")
