@@ -259,11 +259,11 @@ def test_a_prompt_joining_a_batch_is_resident_once():
 
 
 def _joined(dec: OrtDecoder, prompt: list[int], new: int, also: list[int] | None = None
-            ) -> tuple[int, int | None]:
+            ) -> tuple[int, int, int | None]:
     """Start a stream, then feed ``prompt`` beside it to its end: it waits in
     the runner's buffers to join the batch (not yet in the pages). ``also``:
     a prompt queued behind it, fed in the step its last chunk is."""
-    dec.add_request([5, 6, 7], max_new_tokens=40, ignore_eos=True)
+    stream = dec.add_request([5, 6, 7], max_new_tokens=40, ignore_eos=True)
     dec.step()
     rid = dec.add_request(prompt, max_new_tokens=new, ignore_eos=True)
     other = None if also is None else dec.add_request(also, max_new_tokens=3,
@@ -276,7 +276,7 @@ def _joined(dec: OrtDecoder, prompt: list[int], new: int, also: list[int] | None
     # or the runner fed another prompt
     kept = new > 1 and also is None
     assert dec._runner.prompt_positions == (len(prompt) if kept else len(also or ()))
-    return rid, other
+    return stream, rid, other
 
 
 def _prefix_hit(dec: OrtDecoder, prompt: list[int], family: str = "gqa") -> None:
@@ -289,7 +289,8 @@ def _prefix_hit(dec: OrtDecoder, prompt: list[int], family: str = "gqa") -> None
     assert dec.pop_output(rid) == ref(family).tokens(prompt + [9], 2)
 
 
-@pytest.mark.parametrize("how", ["finished", "aborted", "another-prompt", "batch-fails"])
+@pytest.mark.parametrize("how", ["finished", "aborted", "another-prompt", "batch-fails",
+                                 "alone-fails"])
 def test_a_joining_prompt_that_does_not_join_is_written_or_recomputed(how):
     """A prompt waiting to join a batch that it never joins (it finished at
     its first token, was aborted, another prompt is fed, or the batch could
@@ -297,11 +298,13 @@ def test_a_joining_prompt_that_does_not_join_is_written_or_recomputed(how):
     served from a stale buffer."""
     dec = decoder("gqa")
     prompt = LONG[:150]
-    rid, other = _joined(dec, prompt, 1 if how == "finished" else 5,
+    stream, rid, other = _joined(dec, prompt, 1 if how == "finished" else 5,
                          LONG[200:230] if how == "another-prompt" else None)
     if how == "aborted":
         dec.abort(rid)
-    elif how == "batch-fails":
+    if how == "alone-fails":          # the stream ends first: the prompt's batch is its own
+        dec.abort(stream)
+    if how in ("batch-fails", "alone-fails"):
         start = dec._runner.start_batch
         calls = []
 
@@ -322,8 +325,8 @@ def test_a_joining_prompt_that_does_not_join_is_written_or_recomputed(how):
         assert dec.pop_output(rid) == ref("gqa").tokens(prompt, 1 if how == "finished" else 5)
     if how == "another-prompt":
         assert dec.pop_output(other) == ref("gqa").tokens(LONG[200:230], 3)
-    if how == "batch-fails":
-        assert dec.stats["num_preemptions"] >= 1           # computed again
+    if how in ("batch-fails", "alone-fails"):
+        assert dec.stats["num_preemptions"] >= 1           # computed again, not failed
     _prefix_hit(dec, prompt)
     assert_idle(dec)
 

@@ -384,7 +384,9 @@ class Batcher:
             except Exception as exc:
                 self.forget_batch()
                 if joining is not None:
-                    self._lose_joining()
+                    self._lose_joining()      # to be recomputed, not failed
+                    if len(reqs) == 1:
+                        return []
                 return self._group_failed(reqs, exc)
             self._batch_rids, self._batch = rids, list(reqs)
             if joining is not None:       # its row holds the prompt now, not in the pages
