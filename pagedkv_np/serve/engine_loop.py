@@ -248,6 +248,7 @@ class EngineLoop:
                 if stopping:
                     for job in list(self._active.values()):
                         self._abort(job, "abort")
+                    self.decoder.settle()      # the finished ones' K/V into the pages
                     break
                 if self.decoder.has_unfinished_requests():
                     self._step()
