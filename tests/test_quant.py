@@ -377,6 +377,7 @@ def test_ort_decoder_with_int8_pages_holds_the_round_trip_of_the_prompt():
         while not dec.step().finished:
             pass
         assert len(dec.get_output(rid)) == 1
+        dec.settle()              # its K/V into the pages now, not at the next step
         cache = dec.cache
         seq = cache.add_sequence(prompt + [0])   # the prompt's pages, from the index
         assert seq.num_cached_tokens == len(prompt)   # whole pages and a partial copy
