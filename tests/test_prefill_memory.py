@@ -389,6 +389,15 @@ def test_the_runner_refuses_what_it_does_not_hold(family):
     assert np.array_equal(k2, k)
     with pytest.raises(ConfigError, match="solo_kv"):
         runner.solo_kv(1, 0, 10**6)
+    if not runner.positional:          # the optimum family's rows are not by position
+        with pytest.raises(ConfigError, match="does not keep"):
+            runner.rows_kv(1, [0], np.array([2]), np.array([10]))
+        return
+    k3, _ = runner.rows_kv(1, [0, 0], np.array([2, 4]), np.array([4, 10]))
+    assert np.array_equal(k3, np.concatenate([k[:2], k[2:]]))
+    for rows, start, end in (([1], 0, 1), ([0], 5, 4), ([0], 0, 10**6), ([-1], 0, 1)):
+        with pytest.raises(ConfigError, match="rows_kv"):
+            runner.rows_kv(1, rows, np.array([start]), np.array([end]))
 
 
 def test_release_hands_a_lazy_buffer_back_and_leaves_it_usable():
