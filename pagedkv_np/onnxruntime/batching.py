@@ -310,12 +310,12 @@ class Batcher:
             recent = None
             if not runner.positional and not self._held:
                 recent = runner.recent_kv(self._pending)
-            start, end = int(plan.context_lens[0]), int(plan.seq_lens[0])
             for layer in range(cache.num_layers):
                 if runner.positional:
                     k, v = runner.rows_kv(layer, rows, plan.context_lens, plan.seq_lens)
                 elif recent is None:       # an adopted prompt: one row
-                    k, v = runner.solo_kv(layer, start, end)
+                    k, v = runner.solo_kv(layer, int(plan.context_lens[0]),
+                                          int(plan.seq_lens[0]))
                 else:
                     k, v = recent[layer]
                 cache.write(layer, plan, k, v)
