@@ -17,7 +17,8 @@ but the suite's own measurements (:func:`best_times`, the ``track_*``
 figures) cannot see it. ``.ci/bench_smoke.sh`` therefore also sets
 ``PAGEDKV_ASV_QUICK=1`` (:data:`QUICK_ENV`; ``.ci/run`` sets it for that
 script), and under it every such
-measurement takes one sample, with no warm-up: the run checks that each
+measurement takes one sample, with no warm-up, and a size parameter keeps
+its smallest value (:func:`sizes`): the run checks that each
 benchmark runs, its figures mean nothing. Without the variable every
 benchmark measures as before.
 
@@ -53,6 +54,14 @@ def quick() -> bool:
     ``""`` or ``"0"`` (``.ci/run`` sets it for ``.ci/bench_smoke.sh``, which
     runs ``asv run --quick``)."""
     return os.environ.get(QUICK_ENV, "") not in ("", "0")
+
+
+def sizes(values: list) -> list:
+    """A size parameter's values; in a smoke run (:func:`quick`) the first
+    (smallest) only: the run checks that each benchmark runs on every
+    backend, dtype and layout, and each size would be one more process
+    (the NumPy reference takes seconds a call at the largest)."""
+    return values[:1] if quick() else values
 
 
 def _preimport_numba() -> None:

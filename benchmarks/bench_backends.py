@@ -12,7 +12,7 @@ import numpy as np
 
 from pagedkv_np import KVStore
 
-from . import (BACKENDS, DTYPES, HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, MoveCase, bandwidth,
+from . import (BACKENDS, DTYPES, HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, MoveCase, bandwidth, sizes,
                with_sync)
 
 
@@ -59,7 +59,7 @@ class Gather(_Move):
     """One layer of ``num_seqs`` sequences x ``seq_len`` tokens, NHD store,
     into preallocated BHTD or BTHD buffers."""
 
-    params = [BACKENDS, DTYPES, ["BHTD", "BTHD"], ["4x256", "32x512"]]
+    params = [BACKENDS, DTYPES, ["BHTD", "BTHD"], sizes(["4x256", "32x512"])]
     param_names = ["backend", "dtype", "layout", "size"]
 
     @staticmethod
@@ -74,7 +74,7 @@ class GatherHND(_Move):
     """:class:`Gather` from an HND store into BHTD buffers, the pairing that
     ``OrtDecoder`` uses (each head's positions lie together on both sides)."""
 
-    params = [BACKENDS, DTYPES, ["4x256", "32x512"]]
+    params = [BACKENDS, DTYPES, sizes(["4x256", "32x512"])]
     param_names = ["backend", "dtype", "size"]
 
     @staticmethod
@@ -89,7 +89,7 @@ class Write(_Move):
     """Write one layer's new K/V: ``decode`` is 32 sequences x 1 token (a
     call is mostly overhead), ``prefill`` one sequence of 2048 tokens."""
 
-    params = [BACKENDS, DTYPES, ["NHD", "HND"], ["decode", "prefill"]]
+    params = [BACKENDS, DTYPES, ["NHD", "HND"], sizes(["decode", "prefill"])]
     param_names = ["backend", "dtype", "layout", "size"]
 
     @staticmethod
@@ -121,7 +121,7 @@ class Write(_Move):
 class CopyPages(_Move):
     """Copy-on-write of ``num_pairs`` whole pages, 2 layers, K and V."""
 
-    params = [BACKENDS, DTYPES, ["NHD", "HND"], [16, 256]]
+    params = [BACKENDS, DTYPES, ["NHD", "HND"], sizes([16, 256])]
     param_names = ["backend", "dtype", "layout", "num_pairs"]
 
     @staticmethod

@@ -18,11 +18,11 @@ import numpy as np
 
 from pagedkv_np import KVStore
 
-from . import HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, MoveCase, with_sync
+from . import HEAD_DIM, NUM_KV_HEADS, PAGE_SIZE, MoveCase, sizes, with_sync
 
 BACKENDS = ["numpy", "numba", "cupy"]
 FLOAT_DTYPES = ["float32", "float16"]
-SIZES = ["4x2048", "32x2048"]
+SIZES = sizes(["4x2048", "32x2048"])
 
 
 def _case(backend, size, layout):
