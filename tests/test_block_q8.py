@@ -296,8 +296,11 @@ def test_avx2_and_portable_agree_bitwise(bits, block_size, zero, offsets):
 _NO_VNNI_SCRIPT = """
 import sys
 import numpy as np
-from pagedkv_np.backends import block_q8_ir
+from pagedkv_np.backends import block_q8, block_q8_ir
 from pagedkv_np.backends.block_gemv import BlockWeight
+# the weights' own arrays, not their compact forms (the same bits, tested
+# apart): every case then takes one type signature, compiled once here
+block_q8._USE_COMPACT = False
 from pagedkv_np.backends.block_q8 import q8_matmul
 data = np.load(sys.argv[1])
 outs = {}
@@ -409,7 +412,7 @@ def test_bad_input_raises_typed_errors_and_writes_nothing():
 
 
 @numba.njit
-def _jitted_caller(x, codes, zeros, scales, offsets, bits, block_size, out):
+def _jitted_caller(x, codes, zeros, scales, offsets, bits, block_size, signed, out):
     """What a jitted decode loop does once per layer: quantize, then multiply."""
     nb = x.shape[1] // block_size
     q = np.empty(x.shape, np.int8)
@@ -417,7 +420,7 @@ def _jitted_caller(x, codes, zeros, scales, offsets, bits, block_size, out):
     dq = np.empty((x.shape[0], nb), np.float32)
     sums = np.empty((x.shape[0], nb), np.float32)
     q8_quantize(x, bits, block_size, q, d, dq, sums)
-    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, False,
+    q8_gemm(q, d, dq, sums, codes, zeros, scales, offsets, bits, block_size, signed,
             min(codes.shape[0], 8), out)
 
 
@@ -428,7 +431,9 @@ def test_callable_from_a_jitted_function(offsets):
     x = rng.standard_normal((3, 96)).astype(np.float32)
     out = np.empty((3, 23), np.float32)
     offs = w.offsets if w.offsets is not None else np.zeros((23, 0), np.float32)
-    _jitted_caller(x, w.codes, w.zeros, w.scales, offs, 4, 32, out)
+    # signed passed in, as a decode loop has it: a constant False would type
+    # as a literal and compile q8_gemm once more for this test alone
+    _jitted_caller(x, w.codes, w.zeros, w.scales, offs, 4, 32, False, out)
     np.testing.assert_array_equal(out, q8_matmul(x, w))
 
 
