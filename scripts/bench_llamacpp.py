@@ -28,9 +28,10 @@ itl
     prompt arrives. Inter-token gaps of the streams before it, while it is
     prefilled (until its first token) and after, p50 and p99; its TTFT.
 tg
-    in-process decode speed without HTTP: ``llama-bench -t T -p 0 -n 64 -d
-    0,4096`` against ``OrtDecoder`` generating 64 tokens (end token ignored)
-    after a prompt of that depth.
+    in-process decode speed without HTTP: ``llama-bench -t T -p 0 -n 64 -d D``
+    against ``OrtDecoder`` generating 64 tokens (end token ignored) after a
+    prompt of ``D`` tokens, for each depth of ``--tg-depths`` (default 0 and
+    4096; ``--quick``: 0 and 512).
 
 Every (server, workload) pair runs once a round, rounds interleaved, the
 order rotating (:func:`pagedkv_np.bench.timing.interleave`); figures are
@@ -500,10 +501,11 @@ def tg_llama(args, depth: int, gguf: str) -> float:
 # -------------------------------------------------------------------- main
 def one_run(kind: str, workload: str, args, gguf: str) -> dict:
     if workload == "tg":
-        depths = (0, 512) if args.quick else (0, 4096)
+        depths = args.tg_depths
         if kind == "llama.cpp":
             return {f"tg_d{d}": tg_llama(args, d, gguf) for d in depths}
-        cmd = [sys.executable, __file__, "--tg-child", kind, "--threads", str(args.threads)]
+        cmd = [sys.executable, __file__, "--tg-child", kind, "--threads", str(args.threads),
+               "--tg-depths", ",".join(map(str, depths))]
         cmd += ["--gguf", args.gguf] if args.gguf else []
         if args.quick:
             cmd.append("--quick")
@@ -519,6 +521,17 @@ def one_run(kind: str, workload: str, args, gguf: str) -> dict:
     finally:
         server.stop(keep_log=failed)
     return out
+
+
+def _depths(text: str) -> tuple[int, ...]:
+    """``--tg-depths``: comma-separated non-negative token counts."""
+    try:
+        depths = tuple(int(d) for d in text.split(",") if d.strip())
+    except ValueError:
+        depths = ()
+    if not depths or min(depths) < 0:
+        raise argparse.ArgumentTypeError(f"expected depths such as 0,2048,4096, got {text!r}")
+    return depths
 
 
 def _figures(workload: str, run: dict) -> dict[str, float]:
@@ -548,6 +561,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="pagedkv serve --prefill-chunk (default: the server's)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--tg-depths", type=_depths, default=None,
+                        help="prompt depths of the tg workload, comma-separated "
+                             "(default 0,4096; --quick: 0,512)")
     parser.add_argument("--version", default=VERSION, help="of the llama-cpp-python sdist")
     parser.add_argument("--jobs", type=int, default=2, help="build jobs")
     parser.add_argument("--build-only", action="store_true")
@@ -568,10 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.plain_server:
         return plain_server(args.plain_server, args.threads)
+    if args.tg_depths is None:
+        args.tg_depths = (0, 512) if args.quick else (0, 4096)
     if args.tg_child:
-        depths = (0, 512) if args.quick else (0, 4096)
         print(json.dumps({f"tg_d{d}": tg_plain(args, d) if args.tg_child == "plain"
-                          else tg_ours(args, d) for d in depths}))
+                          else tg_ours(args, d) for d in args.tg_depths}))
         return 0
     from pagedkv_np.models.folder import default_model_path
 
