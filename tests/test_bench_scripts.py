@@ -80,3 +80,13 @@ def test_tiers_store_section_runs_in_rounds(tmp_path):
     assert figures["pages"] == 4 and figures["copy_GBps"] > 0
     for store in ("sqlite", "files"):
         assert figures[store]["write_GBps"] > 0 and figures[store]["read_GBps"] > 0
+
+
+def test_llamacpp_tg_depths_are_checked_before_anything_runs():
+    """``--tg-depths``: non-negative token counts, else exit 2 with a message
+    (argparse's), before any server, build or model is touched."""
+    for bad in ("0,-1", "x", ",", ""):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_llamacpp.py"), "--quick",
+                               "--tg-depths", bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (bad, proc.stderr[-2000:])
+        assert "expected depths such as 0,2048,4096" in proc.stderr
