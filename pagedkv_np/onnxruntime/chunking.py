@@ -13,26 +13,31 @@ chunks of ``n``::
 
 Small chunks keep the running requests going, large ones the prompt's own
 wait short; neither gets both. Measured over HTTP (``pagedkv serve``,
-SmolLM2-135M Q4_1, 2 cores, ``scripts/bench_llamacpp.py``'s inter-token gap
-workload: a 4,500-token prompt arriving while 4 streams decode at a 24 ms
-median gap; medians of 2 interleaved rounds beside the prompt alone, whose
-first token came after 18.9 s)::
+SmolLM2-135M Q4_1, 2 cores of an Intel Xeon with AMX, 2026-12-04,
+``scripts/bench_llamacpp.py``'s inter-token gap workload: a 4,500-token
+prompt arriving while 4 streams decode at an 18-21 ms median gap; medians
+of 2 interleaved rounds beside the prompt alone, whose first token came
+after 8.4-8.7 s)::
 
     chunk        streams' gap while it is fed     prompt TTFT
                  p50       p99 (p99 / p50)
-    64 tokens    332 ms    540 ms (1.6x)          21.8 s (+15%)
-    128 tokens   527 ms    824 ms (1.6x)          16.9 s (-10%)   (the default)
+    16 tokens     86 ms    122 ms (1.4x)          22.5 s (+160%)
+    32 tokens    114 ms    165 ms (1.5x)          14.8 s (+70%)
+    64 tokens    165 ms    366 ms (2.2x)          10.5 s (+23%)
+    128 tokens   266 ms    450 ms (1.7x)           8.9 s (+5%)   (the default)
 
 ``prefill_chunk`` (default :data:`DEFAULT_PREFILL_CHUNK`) sets ``n``: 128
-keeps the prompt's first token as soon as when it is fed alone (within the
-two rounds' spread), while the streams go on at about 2 tokens a second
-instead of stopping for the whole prefill (llama-server's streams waited
-12.6 s at the median in the same workload). 64 shortens their pauses by a
-third and costs the prompt 15%; 16 or 32 (earlier measurements: 4.7x and 9.6x
-their median gap at p99) make its wait 2-2.5x. A chunk sized from measured
-step times (to take two decode steps) did worse on both counts (6.8x,
-122 s): the first cost of a call does not shrink with the chunk, and the
-times it steered by were noisy.
+keeps the prompt's first token within 15% of when it is fed alone, while
+the streams go on at about 4 tokens a second instead of stopping for the
+whole prefill (llama-server's streams waited 4.0 s at the median in the
+same workload, 8.0 s at p99). Smaller chunks shorten the pauses but never
+to 3x the streams' own cadence (16 tokens: 5.8x at p99), and the prompt
+pays 23-160%: a call's first cost (the weights read once, onnxruntime's
+own) does not shrink with the chunk. On a slower 2-core VM earlier (24 ms
+cadence, 18.9 s alone) 128 gave 527 / 824 ms and -10%, 64 332 / 540 ms
+and +15%. A chunk sized from measured step times (to take two decode
+steps) did worse on both counts (6.8x, 122 s): the times it steered by
+were noisy.
 
 With no request decoding, nothing stalls: a step feeds
 :data:`SOLO_PREFILL_CHUNK` tokens, which bounds the activations a long
