@@ -56,7 +56,7 @@ The text (default): the license texts every Debian system has under
 GFDL-1.3, Artistic), joined by blank lines.
 
 Run: ``nice -n 10 .venv/bin/python scripts/bench_accuracy.py nll [--ctx 512]
-[--threads 2] [--model FILE.gguf]``, ``... decode [--batch 16] [--graph]``,
+[--threads 2] [--model FILE.gguf] [--no-repack]``, ``... decode [--batch 16] [--graph]``,
 ``... rows``, ``... determinism``.
 No asv sibling: it needs a real model and minutes.
 
@@ -290,11 +290,12 @@ def score(model: str, names: list[str], text: str, n_ctx: int, threads: int,
 
 
 def llama_perplexity(model: str, text_path: str, n_ctx: int, threads: int,
-                     max_windows: int | None) -> dict | None:
+                     max_windows: int | None, no_repack: bool = False) -> dict | None:
     """``llama-perplexity``'s estimate on the same file and text, or None
-    when scripts/bench_llamacpp.py's build lacks the binary."""
+    when scripts/bench_llamacpp.py's build lacks the binary; ``no_repack``:
+    llama.cpp keeps the file's weight layout (``--no-repack``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_llamacpp import VERSION, llamacpp_dir
+    from bench_llamacpp import VERSION, llamacpp_dir, peer_failure
 
     binary = llamacpp_dir(VERSION) / "build" / "bin" / "llama-perplexity"
     if not binary.exists():
@@ -304,6 +305,8 @@ def llama_perplexity(model: str, text_path: str, n_ctx: int, threads: int,
            "-t", str(threads)]
     if max_windows:
         cmd += ["--chunks", str(max_windows)]
+    if no_repack:
+        cmd.append("--no-repack")
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     seconds = time.perf_counter() - t0
@@ -312,7 +315,8 @@ def llama_perplexity(model: str, text_path: str, n_ctx: int, threads: int,
     chunks = re.search(r"calculating perplexity over (\d+) chunks", log)
     if proc.returncode or est is None:
         print(log[-3000:])
-        sys.exit(f"llama-perplexity failed (exit {proc.returncode})")
+        sys.exit(peer_failure("llama-perplexity", proc.returncode, no_repack)
+                 if proc.returncode else "llama-perplexity printed no final estimate")
     ppl = float(est.group(1))
     return {"ppl": ppl, "ppl_pm": float(est.group(2)), "nll": float(np.log(ppl)),
             "num_windows": int(chunks.group(1)) if chunks else None, "seconds": seconds}
@@ -327,8 +331,8 @@ def run_nll(args: argparse.Namespace) -> None:
         print(f"== nll: {os.path.basename(args.model)}, {len(text):,} characters, "
               f"windows of {args.ctx}, second halves scored", flush=True)
         ours = score(args.model, args.configs, text, args.ctx, args.threads, args.windows)
-        peer = None if args.no_llamacpp else llama_perplexity(args.model, text_path, args.ctx,
-                                                             args.threads, args.windows)
+        peer = None if args.no_llamacpp else llama_perplexity(
+            args.model, text_path, args.ctx, args.threads, args.windows, args.no_repack)
     names = ours["names"]
     base = ours[names[0]]["nll"]
     print(f"\n{ours['num_tokens']:,} tokens, {ours['num_windows']} windows, "
@@ -688,6 +692,9 @@ def main(argv: list[str] | None = None) -> int:
                              "head only)")
     parser.add_argument("--no-llamacpp", action="store_true",
                         help="nll: skip llama-perplexity")
+    parser.add_argument("--no-repack", action="store_true",
+                        help="nll: llama-perplexity keeps the file's weight layout "
+                             "(--no-repack): its repacked path crashes on some Xeons with AMX")
     parser.add_argument("--batch", type=int, default=16,
                         help="decode: windows in one batch of decode steps (default 16)")
     parser.add_argument("--all-decode", action="store_true",

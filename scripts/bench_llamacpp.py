@@ -162,14 +162,14 @@ class Server:
         import httpx
 
         self.base = f"http://127.0.0.1:{port}"
+        self.cmd = cmd
         self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed in stop()
             prefix="bench_llamacpp_", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 900
         while True:
             if self.proc.poll() is not None:
-                raise SystemExit(f"{cmd[0]} exited with status {self.proc.returncode}; "
-                                 f"its output: {self.log.name}")
+                raise SystemExit(f"{self.died()}; its output: {self.log.name}")
             try:
                 if httpx.get(self.base + "/health", timeout=2, trust_env=False).status_code == 200:
                     return
@@ -179,6 +179,14 @@ class Server:
                 self.stop()
                 raise SystemExit(f"{cmd[0]} did not start")
             time.sleep(0.25)
+
+    def died(self) -> str | None:
+        """What ended the process, if it has ended (:func:`peer_failure`)."""
+        if self.proc.poll() is None:
+            return None
+        tool = Path(self.cmd[0]).name
+        return peer_failure(tool, self.proc.returncode,
+                            "--no-repack" in self.cmd or tool != "llama-server")
 
     def peak_rss_mib(self) -> float:
         status = Path(f"/proc/{self.proc.pid}/status").read_text()
@@ -490,11 +498,28 @@ def _depth_prompt(codec, depth: int):
     return codec.encode(" ".join([SYSTEM_PROMPT] * (depth // 300 + 1)))[:max(depth, 1)]
 
 
+def peer_failure(tool: str, status: int, no_repack: bool) -> str:
+    """What to say when a llama.cpp tool exits with ``status`` (negative: the
+    signal that killed it)."""
+    if status >= 0:
+        return f"{tool} exited with status {status}"
+    try:
+        name = signal.Signals(-status).name
+    except ValueError:
+        name = f"signal {-status}"
+    hint = ("" if no_repack else ": its repacked weights (the default) crash on prompts on "
+            "some Xeons with AMX; run again with --no-repack")
+    return f"{tool} was killed by {name}{hint}"
+
+
 def tg_llama(args, depth: int, gguf: str) -> float:
     out = subprocess.run([str(args.bins / "llama-bench"), "-m", gguf, "-t", str(args.threads),
                           "-p", "0", "-n", "64", "-d", str(depth), "-r", "1", "-o", "json",
                           "--repack", "0" if args.no_repack else "1"],
-                         capture_output=True, text=True, check=True)
+                         capture_output=True, text=True)
+    if out.returncode:
+        sys.stderr.write(out.stderr[-2000:])
+        raise SystemExit(peer_failure("llama-bench", out.returncode, args.no_repack))
     return float(json.loads(out.stdout)[0]["avg_ts"])
 
 
@@ -518,6 +543,11 @@ def one_run(kind: str, workload: str, args, gguf: str) -> dict:
         out = asyncio.run(run_workload(server.base, workload, args))
         out["peak_rss_mib"] = server.peak_rss_mib()
         failed = False
+    except Exception as exc:
+        died = server.died()     # a crash mid-workload: say so, not the client's error
+        if died is not None:
+            raise SystemExit(f"{died} during the {workload} workload") from exc
+        raise
     finally:
         server.stop(keep_log=failed)
     return out

@@ -90,3 +90,29 @@ def test_llamacpp_tg_depths_are_checked_before_anything_runs():
                                "--tg-depths", bad], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2, (bad, proc.stderr[-2000:])
         assert "expected depths such as 0,2048,4096" in proc.stderr
+
+
+_PEER_FAILURE = r"""
+import importlib.util, json, signal, subprocess, sys
+spec = importlib.util.spec_from_file_location("bench_llamacpp", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+crash = subprocess.run([sys.executable, "-c",
+                        "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"])
+status = subprocess.run([sys.executable, "-c", "raise SystemExit(3)"])
+print(json.dumps([crash.returncode, module.peer_failure("llama-bench", crash.returncode, False),
+                  module.peer_failure("llama-bench", crash.returncode, True),
+                  module.peer_failure("llama-server", status.returncode, False)]))
+"""
+
+
+def test_a_peer_killed_by_a_signal_is_named_with_the_repack_hint():
+    """A llama.cpp tool that a signal ends (its repacked path's SIGSEGV on
+    some Xeons) is reported by the signal's name, with the way out unless
+    ``--no-repack`` was given; a plain exit status as it is."""
+    code, default, no_repack, plain = json.loads(run_script_code(
+        _PEER_FAILURE, str(SCRIPTS / "bench_llamacpp.py")).splitlines()[-1])
+    assert code == -11
+    assert default.startswith("llama-bench was killed by SIGSEGV") and "--no-repack" in default
+    assert no_repack == "llama-bench was killed by SIGSEGV"
+    assert plain == "llama-server exited with status 3"
