@@ -84,7 +84,6 @@ class _Prefill:
 
         from pagedkv_np.onnxruntime import OrtDecoder
 
-        self.tokens = tokens
         self.rng = np.random.default_rng(tokens)
         self.engine = OrtDecoder(model, eos_token_id=[], threads=THREADS, page_size=PAGE,
                                  num_pages=2 * (tokens // PAGE) + 64)

@@ -181,18 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'geometry':<14}{'depth':>6}" + "".join(f"{c:>14}" for c in CACHES))
     for name, geometry in GEOMETRIES.items():
         for depth in depths:
-            runs = {}
-            keep = []
-            for cache in CACHES:
-                run, held = _layers(cache, geometry, depth, args.layers, args.threads, rng)
-                runs[cache] = run
-                keep.append(held)
-
-            def steps(run=None):
-                return [run() for _ in range(args.steps)]
-
-            times = interleave({c: (lambda r=r: steps(r)) for c, r in runs.items()},
-                               args.rounds)
+            # each run's buffers stay held beside it: its bindings only point at them
+            runs = {cache: _layers(cache, geometry, depth, args.layers, args.threads, rng)
+                    for cache in CACHES}
+            times = interleave({c: (lambda run=run: [run() for _ in range(args.steps)])
+                                for c, (run, _) in runs.items()}, args.rounds)
             medians = {c: statistics.median(t for chunk in times[c] for t in chunk)
                        for c in CACHES}
             base = medians["float32"]

@@ -116,3 +116,17 @@ def test_a_peer_killed_by_a_signal_is_named_with_the_repack_hint():
     assert default.startswith("llama-bench was killed by SIGSEGV") and "--no-repack" in default
     assert no_repack == "llama-bench was killed by SIGSEGV"
     assert plain == "llama-server exited with status 3"
+
+
+def test_kv_dtypes_quick_prints_every_dtype_and_refuses_bad_depths():
+    out = run_script(SCRIPTS / "bench_kv_dtypes.py", "--quick").splitlines()
+    rows = [line.split() for line in out if line.startswith(("gemma3-270m", "smollm2-135m"))]
+    assert [row[:2] for row in rows] == [["gemma3-270m", "512"], ["smollm2-135m", "512"]]
+    for row in rows:      # depth, then a time and a ratio per dtype, float32's ratio 1
+        assert len(row) == 2 + 2 * 5 and row[3] == "1.00x"
+        assert all(float(ms) > 0 for ms in row[2::2])
+    for bad in ("0,-1", "x", ""):
+        proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_kv_dtypes.py"),
+                               "--depths", bad], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (bad, proc.stderr[-2000:])
+        assert "--depths" in proc.stderr or "depths must be" in proc.stderr
